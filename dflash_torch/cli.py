@@ -1,0 +1,162 @@
+"""The `dflash` command: generate, serve, bench, train, models, doctor."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+
+
+def _common_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
+    p.add_argument("--model", default=None, help="model directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
+    if draft:
+        p.add_argument("--draft", default="auto", help="drafter directory or hub id (default: the registered drafter)")
+        p.add_argument("--no-draft", action="store_true", help="target-only decoding")
+        p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError as e:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from e
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .generate import Detokenizer, load, stream
+    from .sampling import Sampler
+    from .speculative import Stats
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    sampler = Sampler(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
+    pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype)
+    if args.prompt_ids is not None:
+        prompt = _parse_ids(args.prompt_ids)
+    else:
+        prompt = pipe.encode(args.prompt, chat=not args.no_chat_template)
+    stats = Stats()
+    detok = Detokenizer(pipe)
+    ids = []
+    for tok in stream(pipe, prompt, args.max_tokens, block_size=args.block_size,
+                      use_draft=not args.no_draft, sampler=sampler, stats=stats):
+        ids.append(tok)
+        if not args.json and pipe.tokenizer is not None:
+            sys.stdout.write(detok.add(tok))
+            sys.stdout.flush()
+    reason = "stop" if ids and ids[-1] in pipe.stop_token_ids else "length"
+    if not args.json:
+        sys.stdout.write("\n")
+    s = stats
+    accept = f", acceptance length {s.acceptance_length_mean:.2f}, rate {s.acceptance_rate:.0%}" if s.mode == "dflash" else ""
+    print(
+        f"dflash: {s.generated_tokens} tokens, {s.decode_tok_s:.1f} tok/s decode, "
+        f"prefill {s.prefill_s * 1000:.0f} ms, {s.cycles} cycles, mode {s.mode}{accept}",
+        file=sys.stderr,
+    )
+    if args.json:
+        d = s.as_dict()
+        out = {
+            "text": pipe.decode(ids),
+            "token_ids": ids,
+            "finish_reason": reason,
+            "stats": {k: d[k] for k in ("generated_tokens", "cycles", "acceptance_length_mean", "acceptance_rate",
+                                        "prefill_s", "decode_tok_s")} | {
+                "acceptance_per_position": d["acceptance_per_position"], "block_size": d["block_size"],
+                "mode": d["mode"], "prompt_tokens": d["prompt_tokens"]},
+        }
+        print(json.dumps(out))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from . import registry
+
+    rows = registry.table()
+    if args.json:
+        print(json.dumps({"registered": rows, "supported_model_types": list(registry.SUPPORTED_TYPES)}))
+        return 0
+    print("Registered drafters (target base name -> drafter):")
+    for r in rows:
+        mark = " (shipped)" if r["shipped"] else ""
+        print(f"  {r['target']:<32} {r['drafter']}{mark}")
+    print("Supported target families (config.json model_type): " + ", ".join(registry.SUPPORTED_TYPES))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import platform
+
+    import torch
+
+    from . import loading, registry
+
+    print(f"python {platform.python_version()} on {platform.machine()}, torch {torch.__version__}")
+    print(f"threads: {torch.get_num_threads()}, cuda: {torch.cuda.is_available()}")
+    try:
+        print(f"default model GGUF: {loading.default_gguf()}")
+    except loading.ModelError as e:
+        print(f"default model: {e}")
+    print(f"cache: {loading.cache_home()}")
+    shipped = registry.drafter_for(loading.DEFAULT_MODEL_NAME)
+    print(f"default drafter: {shipped or 'not shipped in this install (target-only)'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description="DFlash speculative decoding on PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    _common_model_args(g)
+    g.add_argument("--prompt", default=None, help="prompt text (chat template applied)")
+    g.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids")
+    g.add_argument("--no-chat-template", action="store_true", help="use the prompt text as is")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
+    _sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="list registered drafters and supported families")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_models)
+
+    d = sub.add_parser("doctor", help="check the installation")
+    d.set_defaults(func=cmd_doctor)
+
+    # Each of these modules defines its own sub-command (its heavy imports happen when it runs).
+    for module in ("server", "bench", "train"):
+        if importlib.util.find_spec(f"dflash_torch.{module}") is not None:
+            importlib.import_module(f"dflash_torch.{module}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from .loading import ModelError
+
+    try:
+        return args.func(args)
+    except (ModelError, ValueError, FileNotFoundError) as e:
+        print(f"dflash: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dflash: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

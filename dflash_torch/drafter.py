@@ -1,0 +1,269 @@
+"""The DFlash block-diffusion drafter, in the published checkpoint format.
+
+A drafter is a few Qwen3-style layers. Its input is one block: the last committed token followed by
+mask tokens, embedded with the target's embedding. Its context is the target's hidden states at a few
+tap layers, fused by `fc` + `hidden_norm`. In every layer the block's queries attend to keys/values
+computed from [fused context ; block], so one parallel pass predicts the whole block, and the target's
+LM head turns the outputs at block positions 1.. into draft logits.
+
+Checkpoint keys (no embedding, no LM head: the target's are shared):
+  fc.weight [H, n_taps * H], hidden_norm.weight, norm.weight,
+  layers.N.{input_layernorm,post_attention_layernorm}.weight, layers.N.self_attn.{q,k,v,o}_proj.weight,
+  layers.N.self_attn.{q,k}_norm.weight, layers.N.mlp.{gate,up,down}_proj.weight
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .cache import KVCache
+from .layers import MLP, RMSNorm, attend, attention_mask
+from .rope import Rotary, apply_rotary, rope_parameters
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Tap layers when the checkpoint does not list them: spread from layer 1 to L - 3, one per
+    draft layer (the rule of the reference implementation)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [round(start + (i * span) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def dflash_value(config: dict, name: str, default=None):
+    """A setting from `dflash_config`, falling back to the top level of the config."""
+    return (config.get("dflash_config") or {}).get(name, config.get(name, default))
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, c: dict, layer: int) -> None:
+        super().__init__()
+        h = c["hidden_size"]
+        self.n_heads, self.n_kv = c["num_attention_heads"], c["num_key_value_heads"]
+        self.head_dim = c.get("head_dim") or h // self.n_heads
+        bias = bool(c.get("attention_bias", False))
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias)
+        eps = c.get("rms_norm_eps", 1e-6)
+        self.q_norm = RMSNorm(self.head_dim, eps)
+        self.k_norm = RMSNorm(self.head_dim, eps)
+        types = c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"]
+        sliding = types[layer] == "sliding_attention"
+        # Full-attention layers are bidirectional inside the block; sliding layers are causal + windowed.
+        self.causal = sliding if c.get("is_causal") is None else bool(c["is_causal"])
+        self.window = c.get("sliding_window") if sliding else None
+        self.layer = layer
+        self.scale = self.head_dim**-0.5
+
+    def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rotary(k, cos, sin), v  # [B, Hkv, T, D]
+
+    def forward(self, x, ctx, q_rope, ctx_rope, q_pos, k_pos, cache: KVCache | None, extra_mask):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rotary(q, *q_rope)
+        k_blk, v_blk = self.kv(x, *q_rope)
+        k_ctx, v_ctx = self.kv(ctx, *ctx_rope)
+        if cache is not None:
+            # Context keys are kept for later cycles; the block's go into the scratch slots right after
+            # them and are overwritten next cycle (the cache length never covers them).
+            start = cache.length
+            cache.write(self.layer, start, k_ctx, v_ctx)
+            k, v = cache.write(self.layer, start + k_ctx.shape[2], k_blk, v_blk)
+        else:
+            k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
+        mask = None
+        if self.causal or self.window is not None:
+            mask = attention_mask(q_pos, k_pos, causal=self.causal, window=self.window)
+        if extra_mask is not None:
+            mask = extra_mask if mask is None else mask & extra_mask
+        return self.o_proj(attend(q, k, v, mask, self.scale))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c: dict, layer: int) -> None:
+        super().__init__()
+        eps = c.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(c["hidden_size"], eps)
+        self.self_attn = DraftAttention(c, layer)
+        self.post_attention_layernorm = RMSNorm(c["hidden_size"], eps)
+        self.mlp = MLP(c["hidden_size"], c["intermediate_size"], act=c.get("hidden_act", "silu"))
+
+    def forward(self, x, ctx, q_rope, ctx_rope, q_pos, k_pos, cache, extra_mask):
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(h, ctx, q_rope, ctx_rope, q_pos, k_pos, cache, extra_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """A DFlash drafter. Build it from a config dict; load one with `load_drafter`."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        c = self.config = dict(config)
+        n_layers = c["num_hidden_layers"]
+        self.layers = nn.ModuleList(DraftLayer(c, i) for i in range(n_layers))
+        ids = dflash_value(c, "target_layer_ids")
+        if ids is None:
+            ids = build_target_layer_ids(c["num_target_layers"], n_layers)
+        self.target_layer_ids = [int(i) for i in ids]
+        h = c["hidden_size"]
+        eps = c.get("rms_norm_eps", 1e-6)
+        self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, eps)
+        self.norm = RMSNorm(h, eps)
+        self.block_size = int(dflash_value(c, "block_size", 16))
+        self.mask_token_id = int(dflash_value(c, "mask_token_id"))
+        self.input_scale = float(dflash_value(c, "input_embedding_scale", 1.0))
+        self.output_multiplier = float(dflash_value(c, "output_multiplier", 1.0))
+        self.softcap = dflash_value(c, "final_logit_softcapping")
+        head_dim = c.get("head_dim") or h // c["num_attention_heads"]
+        self.rotary = Rotary(rope_parameters(c), head_dim, c.get("max_position_embeddings", 4096))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        """Context keys/values of every draft layer, plus room for one block of scratch."""
+        a = self.layers[0].self_attn
+        return KVCache(
+            len(self.layers), a.n_kv, a.head_dim, max_len + self.block_size,
+            batch=batch, dtype=self.dtype, device=self.fc.weight.device,
+        )
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,
+        target_hidden: torch.Tensor,
+        q_pos: torch.Tensor,
+        ctx_pos: torch.Tensor,
+        cache: KVCache | None = None,
+        extra_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Drafter hidden states [B, Tq, H] (after the final norm) for the block.
+
+        noise_embedding [B, Tq, H]: embedded block tokens; target_hidden [B, Tc, n_taps * H]: raw tap
+        features of the new context tokens; q_pos [Tq] / ctx_pos [Tc]: their absolute positions.
+        With a cache, the new context is appended to it (cache.length += Tc) and the block attends to
+        all cached context; `extra_mask` [Tq, Tk] further restricts attention (training).
+        """
+        ctx = self.hidden_norm(self.fc(target_hidden))  # [B, Tc, H]
+        dtype = noise_embedding.dtype
+        q_rope = self.rotary(q_pos, dtype)
+        ctx_rope = self.rotary(ctx_pos, dtype)
+        if cache is not None:
+            k_pos = torch.cat([torch.arange(cache.length + ctx.shape[1], device=q_pos.device), q_pos])
+        else:
+            k_pos = torch.cat([ctx_pos, q_pos])
+        x = noise_embedding
+        for layer in self.layers:
+            x = layer(x, ctx, q_rope, ctx_rope, q_pos, k_pos, cache, extra_mask)
+        if cache is not None:
+            cache.length += ctx.shape[1]
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Draft logits from drafter hidden states through the target's LM head."""
+        out = lm_head(hidden)
+        if self.output_multiplier != 1.0:
+            out = out * self.output_multiplier
+        if self.softcap:
+            out = torch.tanh(out / float(self.softcap)) * float(self.softcap)
+        return out
+
+    def propose(self, target: nn.Module, block: torch.Tensor, ctx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Draft logits [B, bs - 1, V] for block [B, bs] (token then masks) given new context
+        features ctx [B, Tc, F] at positions [cache.length, cache.length + Tc)."""
+        start = cache.length + ctx.shape[1]  # position of the block's first token
+        dev = block.device
+        q_pos = torch.arange(start, start + block.shape[1], device=dev)
+        ctx_pos = torch.arange(cache.length, start, device=dev)
+        emb = target.embed_tokens(block)
+        if self.input_scale != 1.0:
+            emb = emb * self.input_scale
+        hidden = self(emb.to(self.dtype), ctx.to(self.dtype), q_pos, ctx_pos, cache)
+        return self.logits(hidden[:, 1:].to(target.lm_head.weight.dtype), target.lm_head)
+
+    def check_target(self, target_config: dict, num_target_layers: int, vocab_size: int) -> None:
+        """Fail early, with a message a user can act on, when this drafter cannot serve the target."""
+        h = self.config["hidden_size"]
+        th = target_config.get("hidden_size")
+        if th != h:
+            raise ValueError(f"drafter hidden size {h} does not match the target's hidden size {th}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < num_target_layers]
+        if bad:
+            raise ValueError(
+                f"drafter taps target layers {self.target_layer_ids}, but the target has only "
+                f"{num_target_layers} layers"
+            )
+        if not 0 <= self.mask_token_id < vocab_size:
+            raise ValueError(f"drafter mask_token_id {self.mask_token_id} is outside the target vocab ({vocab_size})")
+        dv = self.config.get("vocab_size")
+        if dv is not None and dv != vocab_size:
+            raise ValueError(f"drafter was built for a vocab of {dv} tokens; the target has {vocab_size}")
+
+    def save(self, path: str | Path, extra_config: dict | None = None) -> None:
+        """Write config.json + model.safetensors in the published format."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        config = dict(self.config)
+        config.setdefault("architectures", ["DFlashDraftModel"])
+        config.setdefault("model_type", "qwen3")
+        dc = dict(config.get("dflash_config") or {})
+        dc.update(block_size=self.block_size, mask_token_id=self.mask_token_id,
+                  target_layer_ids=self.target_layer_ids)
+        config["dflash_config"] = dc
+        config["block_size"] = self.block_size
+        config.update(extra_config or {})
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """Load a drafter directory (config.json + *.safetensors) in the published format."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path} is not a drafter directory (no config.json)")
+    config = json.loads(cfg_file.read_text())
+    if "dflash_config" not in config and "mask_token_id" not in config:
+        raise ValueError(f"{path} does not look like a DFlash drafter (no dflash_config in config.json)")
+    state = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {path}")
+    for f in files:
+        state.update(load_file(str(f)))
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    with torch.device("meta"):
+        drafter = DFlashDrafter(config)
+    drafter.rotary = Rotary(
+        rope_parameters(config), drafter.layers[0].self_attn.head_dim, config.get("max_position_embeddings", 4096)
+    )
+    dtype = dtype or state["fc.weight"].dtype
+    state = {k: v.to(dtype) for k, v in state.items()}
+    missing, unexpected = drafter.load_state_dict(state, strict=False, assign=True)
+    if missing:
+        raise ValueError(f"drafter checkpoint {path} is missing weights: {sorted(missing)[:8]}")
+    unexpected = [k for k in unexpected if not k.startswith(("embed_tokens", "lm_head", "rotary"))]
+    if unexpected:
+        raise ValueError(f"drafter checkpoint {path} has weights this drafter does not use: {unexpected[:8]}")
+    return drafter.to(device).eval()
+
+
+def num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+

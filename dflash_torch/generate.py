@@ -1,0 +1,181 @@
+"""Python API: load a target (and its drafter) once, then stream or generate many times.
+
+    from dflash_torch import load, generate
+    pipe = load()                      # the embedded default model and its drafter
+    ids = pipe.encode("Write a haiku about rain")
+    result = generate(pipe, ids, max_tokens=64)
+    print(result.text, result.stats.acceptance_length_mean)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import loading, registry
+from .drafter import DFlashDrafter, load_drafter
+from .sampling import Sampler
+from .speculative import Stats, generate_tokens
+
+
+@dataclass
+class Pipeline:
+    """A loaded target with its tokenizer, stop tokens and (optional) drafter."""
+
+    target: torch.nn.Module
+    tokenizer: object | None
+    stop_token_ids: list[int]
+    model_path: Path
+    name: str
+    drafter: DFlashDrafter | None = None
+    draft_path: Path | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def max_context(self) -> int:
+        return int(self.target.config.max_position_embeddings)
+
+    def encode(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:
+        """Token ids for a user prompt, through the chat template unless chat=False."""
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        return self.encode_messages(messages) if chat else self._plain(text)
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """Token ids for a chat (list of {"role", "content"}), with the generation prompt appended."""
+        tok = self._need_tokenizer()
+        if not getattr(tok, "chat_template", None):
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+            return self._plain(text)
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _plain(self, text: str) -> list[int]:
+        return list(self._need_tokenizer()(text)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_path} has no tokenizer; pass token ids (--prompt-ids) instead of text")
+        return self.tokenizer
+
+
+def load(
+    model: str | None = None,
+    draft: str | None = "auto",
+    device: str = "auto",
+    dtype: str = "auto",
+    quiet: bool = False,
+) -> Pipeline:
+    """Load a target and its drafter.
+
+    model: None (embedded default), a directory, a .gguf file or a hub id. draft: "auto" (the
+    registered drafter for this model, if any), None (no drafter), or a directory / hub id.
+    """
+    dev = loading.pick_device(device)
+    dt = loading.pick_dtype(dtype, dev)
+    path = loading.resolve_model(model)
+    target = loading.load_target(path, dev, dt)
+    tokenizer = loading.load_tokenizer(path)
+    config = json.loads((path / "config.json").read_text())
+    name = model or loading.DEFAULT_MODEL_NAME
+    pipe = Pipeline(
+        target=target, tokenizer=tokenizer, stop_token_ids=loading.stop_token_ids(path, tokenizer),
+        model_path=path, name=name, device=dev, dtype=dt,
+    )
+    draft_spec = registry.drafter_for(name, config) if draft == "auto" else draft
+    if draft == "auto" and draft_spec is None and not quiet:
+        print(f"dflash: no drafter registered for {name}; running target-only", file=sys.stderr)
+    if draft_spec is not None:
+        draft_path = loading.resolve_model(str(draft_spec)) if not Path(draft_spec).is_dir() else Path(draft_spec)
+        drafter = load_drafter(draft_path, device=dev, dtype=dt)
+        drafter.check_target(config, target.num_layers, target.config.vocab_size)
+        registry.warn_if_other_target(drafter, name, config)
+        pipe.drafter, pipe.draft_path = drafter, draft_path
+    return pipe
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: Stats
+
+
+def stream(
+    pipe: Pipeline,
+    prompt_ids: list[int],
+    max_tokens: int = 256,
+    *,
+    block_size: int | None = None,
+    use_draft: bool = True,
+    sampler: Sampler | None = None,
+    stop_token_ids: list[int] | None = None,
+    stats: Stats | None = None,
+) -> Iterator[int]:
+    """Yield completion token ids as they are committed (see `generate` for the arguments)."""
+    check_lengths(pipe, prompt_ids, max_tokens)
+    stops = pipe.stop_token_ids if stop_token_ids is None else stop_token_ids
+    yield from generate_tokens(
+        pipe.target, prompt_ids, max_new_tokens=max_tokens,
+        drafter=pipe.drafter if use_draft else None, block_size=block_size,
+        stop_token_ids=stops, sampler=sampler, stats=stats,
+    )
+
+
+def check_lengths(pipe: Pipeline, prompt_ids: list[int], max_tokens: int) -> None:
+    """Raise ValueError for an empty prompt, bad ids, max_tokens < 1 or a request beyond the context."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    vocab = pipe.target.config.vocab_size
+    bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be >= 1")
+    if len(prompt_ids) + max_tokens > pipe.max_context:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+            f"context of {pipe.max_context} tokens"
+        )
+
+
+def generate(
+    pipe: Pipeline,
+    prompt_ids: list[int],
+    max_tokens: int = 256,
+    **kwargs,
+) -> Result:
+    """Generate a completion. kwargs: block_size, use_draft, sampler, stop_token_ids."""
+    stats = Stats()
+    ids = list(stream(pipe, prompt_ids, max_tokens, stats=stats, **kwargs))
+    stops = pipe.stop_token_ids if kwargs.get("stop_token_ids") is None else kwargs["stop_token_ids"]
+    reason = "stop" if ids and ids[-1] in stops else "length"
+    return Result(ids, pipe.decode(ids), reason, stats)
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text increments, holding back incomplete characters."""
+
+    def __init__(self, pipe: Pipeline) -> None:
+        self.pipe, self.ids, self.sent = pipe, [], ""
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.pipe.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.sent = text[len(self.sent):], text
+        return new

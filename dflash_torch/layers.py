@@ -1,0 +1,82 @@
+"""Building blocks shared by the model files: RMSNorm, the gated MLP, masked attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Llama/Qwen RMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu") -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh, "gelu": F.gelu}
+
+
+def attention_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool = True, window: int | None = None
+) -> torch.Tensor:
+    """Boolean visibility [Tq, Tk] (True = may attend) from absolute query and key positions."""
+    q = q_pos[:, None]
+    k = k_pos[None, :]
+    visible = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q_pos.device)
+    if causal:
+        visible &= k <= q
+    if window is not None:
+        visible &= q - k < window
+        if not causal:
+            visible &= k - q < window
+    return visible
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q [B, H, Tq, D], k/v [B, Hkv, Tk, D], mask [Tq, Tk] bool or None -> [B, Tq, H * Dv]."""
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
+    else:
+        # Soft-capped scores (Gemma 2) are not expressible through SDPA: plain path.
+        groups = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        scores = (q @ k.transpose(-1, -2)).float() * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = (scores.softmax(-1).to(v.dtype)) @ v
+    b, h, t, d = out.shape
+    return out.transpose(1, 2).reshape(b, t, h * d)

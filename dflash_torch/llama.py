@@ -1,0 +1,202 @@
+"""Llama family targets: Llama 2/3.x, SmolLM/SmolLM2, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
+
+Module and parameter names follow the Hugging Face checkpoint keys, so a checkpoint loads with a
+plain `load_state_dict`. One `forward` serves prefill, decode and block verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .cache import KVCache
+from .layers import MLP, RMSNorm, attend, attention_mask
+from .rope import Rotary, apply_rotary, rope_parameters
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2: bias on q/k/v only
+    qk_norm: bool  # Qwen3
+    rope: dict = field(default_factory=dict)
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    model_type: str = "llama"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LlamaConfig:
+        heads = d["num_attention_heads"]
+        model_type = d.get("model_type", "llama")
+        window = d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            rope=rope_parameters(d),
+            sliding_window=window,
+            hidden_act=d.get("hidden_act", "silu"),
+            model_type=model_type,
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, c: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * self.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.attention_bias)
+        # Qwen2 puts a bias on q/k/v but never on o_proj; Llama's attention_bias covers all four.
+        o_bias = c.attention_bias and c.model_type not in ("qwen2",)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.qk_norm = c.qk_norm
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, cos, sin, cache: KVCache, start: int, mask):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        k, v = cache.write(self.layer, start, k, v.transpose(1, 2))  # [B, Hkv, start + T, D]
+        return self.o_proj(attend(q, k, v, mask, self.scale))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, layer)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, act=c.hidden_act)
+
+    def forward(self, x, cos, sin, cache, start, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class Output:
+    """What a forward pass returns: logits [B, T', V] for the positions asked for, and the
+    concatenated tap hidden states [B, T, n_taps * H] (None when no taps were asked for)."""
+
+    __slots__ = ("logits", "hidden")
+
+    def __init__(self, logits: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
+        self.logits, self.hidden = logits, hidden
+
+
+class Model(nn.Module):
+    """A Llama-family causal LM over a static KV cache."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_load()
+
+    def post_load(self) -> None:
+        """Tie the LM head and build the rotary tables (again after loading onto a real device)."""
+        c = self.config
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(c.rope, c.head_dim, c.max_position_embeddings).to(self.lm_head.weight.device)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        """A cache for `max_len` positions on this model's device and dtype."""
+        c, w = self.config, self.lm_head.weight
+        return KVCache(
+            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len,
+            batch=batch, dtype=w.dtype, device=w.device,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        logits: str | None = "last",
+        taps: tuple[int, ...] | list[int] = (),
+    ) -> Output:
+        """Run `input_ids` [B, T] at positions [cache.length, cache.length + T) and advance the cache.
+
+        `logits`: "all", "last" or None. `taps`: target layer ids whose outputs to return
+        (the output of layer i, i.e. transformers' hidden_states[i + 1]).
+        """
+        start, t = cache.length, input_ids.shape[1]
+        positions = torch.arange(start, start + t, device=input_ids.device)
+        cos, sin = self.rotary(positions, self.lm_head.weight.dtype)
+        window = self.config.sliding_window
+        # Decode (T == 1) sees every cached key: no mask needed unless a window cuts them off.
+        mask = None
+        if t > 1 or (window is not None and start + t > window):
+            k_pos = torch.arange(start + t, device=input_ids.device)
+            mask = attention_mask(positions, k_pos, causal=True, window=window)
+        x = self.model.embed_tokens(input_ids)  # [B, T, H]
+        tapped = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, start, mask)
+            if i in taps:
+                tapped[i] = x
+        cache.length = start + t
+        hidden = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
+        out = None
+        if logits == "last":
+            out = self.lm_head(self.model.norm(x[:, -1:]))
+        elif logits == "all":
+            out = self.lm_head(self.model.norm(x))
+        return Output(out, hidden)
+
+
+def from_config(config: dict) -> Model:
+    return Model(LlamaConfig.from_dict(config))
+
+
+def map_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint keys -> ours (they are the same; rotary tables are recomputed, never loaded)."""
+    return {k: v for k, v in state.items() if "rotary_emb" not in k}

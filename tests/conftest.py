@@ -1,0 +1,79 @@
+"""Shared test helpers: tiny random models of each family, saved as HF directories, and drafters."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("DFLASH_SHARED", ROOT.parent / "shared"))
+ZLAB = SHARED / "fixtures" / "zlab-tiny"
+
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+
+
+def make_hf_model(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random transformers model of `kind` (llama, qwen2, qwen3) to `path`.
+
+    The LM head is scaled up so greedy text is not one repeated token."""
+    import transformers
+
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[kind]
+    cfg = dict(TINY, **overrides)
+    if kind == "qwen3":
+        cfg.setdefault("head_dim", 16)
+    torch.manual_seed(seed)
+    model = cls[1](cls[0](**cfg)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(path)
+    return path
+
+
+def make_drafter(target_path: Path, path: Path, *, layers: int = 2, block_size: int = 8, seed: int = 0) -> Path:
+    """A random drafter in the published format for the target at `target_path`."""
+    from dflash_torch.drafter import DFlashDrafter
+
+    t = json.loads((target_path / "config.json").read_text())
+    cfg = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": t["hidden_size"], "intermediate_size": 128, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+        "vocab_size": t["vocab_size"], "num_target_layers": t["num_hidden_layers"],
+        "max_position_embeddings": 512, "rope_theta": 10000.0,
+        "dflash_config": {"block_size": block_size, "mask_token_id": t["vocab_size"] - 1},
+    }
+    torch.manual_seed(seed)
+    d = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.05)
+    d.save(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """{kind: directory} for tiny random llama, qwen2 and qwen3 targets."""
+    base = tmp_path_factory.mktemp("tiny")
+    return {k: make_hf_model(k, base / k, seed=i) for i, k in enumerate(("llama", "qwen2", "qwen3"))}
+
+
+@pytest.fixture(scope="session")
+def zlab() -> Path:
+    if not ZLAB.is_dir():
+        pytest.fail(f"fixture directory {ZLAB} is missing (set DFLASH_SHARED to the shared/ folder)")
+    return ZLAB
