@@ -99,9 +99,15 @@ def generate_tokens(
     stop_token_ids: tuple[int, ...] | list[int] = (),
     sampler: Sampler | None = None,
     stats: Stats | None = None,
+    controller=None,
 ) -> Iterator[int]:
     """Yield the target's tokens one by one as they are decided; stop after a stop token or
-    `max_new_tokens`. With a drafter, decide them by speculative decoding; `stats` is filled in."""
+    `max_new_tokens`. With a drafter, decide them by speculative decoding; `stats` is filled in.
+
+    `controller` (optional) picks the block size of each cycle: `controller.block_size(stats)` before
+    a cycle (1 = a plain target step, which still feeds the drafter's context so speculation can
+    resume), `controller.observe(block_size, committed, seconds)` after it. Output does not depend on it.
+    """
     stats = stats if stats is not None else Stats()
     sampler = sampler or Sampler()
     device = target.lm_head.weight.device
@@ -147,7 +153,9 @@ def generate_tokens(
     ctx = out.hidden  # [1, n, n_taps * H]: tap features not yet given to the drafter
     while True:
         remaining = max_new_tokens - stats.generated_tokens
-        bs = min(block_size, remaining)  # a block of bs positions commits at most bs tokens
+        want = block_size if controller is None else max(1, min(controller.block_size(stats), block_size))
+        bs = min(want, remaining)  # a block of bs positions commits at most bs tokens
+        t_cycle = time.perf_counter()
         pos = cache.length  # position of `token`, committed but not yet run through the target
         block = torch.full((1, bs), drafter.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = token
@@ -155,6 +163,7 @@ def generate_tokens(
         if bs > 1:
             draft_logits = drafter.propose(target, block, ctx, draft_cache)  # [1, bs - 1, V]
             block[0, 1:], draft_probs = sampler.draft(draft_logits[0])
+            ctx = ctx[:, :0]  # the drafter's cache holds it now
         out = target(block, cache, logits="all", taps=taps)  # verify: logits at every block position
         accepted, bonus = sampler.verify(block[0, 1:], out.logits[0], draft_probs)
         new = block[0, 1 : accepted + 1].tolist() + [bonus]
@@ -164,10 +173,13 @@ def generate_tokens(
                 new = new[: i + 1]
                 break
         cache.crop(pos + len(new))  # keep token + the accepted drafts; the last new token is not in yet
-        ctx = out.hidden[:, : len(new)]
+        ctx = torch.cat([ctx, out.hidden[:, : len(new)]], dim=1)
         stats.record_cycle(bs - 1, accepted, len(new))
         stats.generated_tokens += len(new)
-        stats.decode_s = time.perf_counter() - t0
+        now = time.perf_counter()
+        stats.decode_s = now - t0
+        if controller is not None:
+            controller.observe(bs, len(new), now - t_cycle)
         for t in new:
             yield t
         token = new[-1]
