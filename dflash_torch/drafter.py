@@ -232,7 +232,9 @@ class DFlashDrafter(nn.Module):
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
+def load_drafter(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> DFlashDrafter:
     """Load a drafter directory (config.json + *.safetensors) in the published format."""
     path = Path(path)
     cfg_file = path / "config.json"

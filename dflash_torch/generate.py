@@ -124,14 +124,16 @@ def stream(
     sampler: Sampler | None = None,
     stop_token_ids: list[int] | None = None,
     stats: Stats | None = None,
+    controller=None,
 ) -> Iterator[int]:
-    """Yield completion token ids as they are committed (see `generate` for the arguments)."""
+    """Yield completion token ids as they are committed (see `generate` for the arguments;
+    `controller` picks the block size per cycle, see `speculative.generate_tokens`)."""
     check_lengths(pipe, prompt_ids, max_tokens)
     stops = pipe.stop_token_ids if stop_token_ids is None else stop_token_ids
     yield from generate_tokens(
         pipe.target, prompt_ids, max_new_tokens=max_tokens,
         drafter=pipe.drafter if use_draft else None, block_size=block_size,
-        stop_token_ids=stops, sampler=sampler, stats=stats,
+        stop_token_ids=stops, sampler=sampler, stats=stats, controller=controller,
     )
 
 
@@ -167,15 +169,24 @@ def generate(
 
 
 class Detokenizer:
-    """Turns a growing list of token ids into text increments, holding back incomplete characters."""
+    """Turns a stream of token ids into text increments, holding back incomplete characters.
+
+    Only a short window of recent tokens is decoded per step (decoding the whole list every token
+    would make long outputs quadratic); the window restarts at a token boundary once its text is out.
+    """
 
     def __init__(self, pipe: Pipeline) -> None:
-        self.pipe, self.ids, self.sent = pipe, [], ""
+        self.pipe, self.ids, self.start, self.sent = pipe, [], 0, ""
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        text = self.pipe.decode(self.ids)
+        text = self.pipe.decode(self.ids[self.start:])
         if text.endswith("\ufffd"):
             return ""
-        new, self.sent = text[len(self.sent):], text
+        new = text[len(self.sent):]
+        if len(self.ids) - self.start > 8:  # keep a few tokens of left context for spacing rules
+            self.start = len(self.ids) - 4
+            self.sent = self.pipe.decode(self.ids[self.start:])
+        else:
+            self.sent = text
         return new

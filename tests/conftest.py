@@ -23,7 +23,8 @@ TINY = dict(
 def make_hf_model(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
     """Save a tiny random transformers model of `kind` (llama, qwen2, qwen3) to `path`.
 
-    The LM head is scaled up so greedy text is not one repeated token."""
+    The LM head is scaled up so logits are far apart: greedy text is not one repeated token, and
+    near-ties (where float rounding between a 1-token and a 16-token pass could flip the argmax) are rare."""
     import transformers
 
     cls = {
@@ -37,7 +38,7 @@ def make_hf_model(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
     model = cls[1](cls[0](**cfg)).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)
+        model.lm_head.weight.mul_(20.0)
     model.save_pretrained(path)
     return path
 

@@ -1,0 +1,895 @@
+"""`dflash serve`: an OpenAI-compatible HTTP server (chat, completions, models, health, metrics).
+
+One worker thread owns the model and runs one generation at a time; requests wait in a bounded FIFO
+queue (429 when it is full). The worker detokenizes, cuts stop strings and hands text deltas to the
+request's event loop, so a streamed and a non-streamed answer are the same text. A client that goes
+away sets its job's cancel flag, which the worker checks after every token.
+
+    dflash serve                      # the embedded default model on http://127.0.0.1:8000
+    curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+
+This module does not use `from __future__ import annotations`: FastAPI reads the handlers' annotations
+(`request: Request`, imported inside create_app to keep `dflash --help` light) as real classes.
+"""
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import math
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from .fallback import FallbackController
+from .generate import Detokenizer, Pipeline, check_lengths, load
+from .sampling import Sampler
+from .speculative import Stats, generate_tokens
+
+log = logging.getLogger("dflash.server")
+
+MAX_BODY_BYTES = 1 << 20
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # the hold-back check costs up to len(stop)^2 per token
+ROLES = ("system", "user", "assistant")
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models",
+             "/health": "health", "/metrics": "metrics", "/metrics.json": "metrics"}
+# Accepted by OpenAI but not implemented here: refuse rather than silently answer something else.
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias",
+               "presence_penalty", "frequency_penalty")
+
+
+@dataclass
+class ServerConfig:
+    """Everything `dflash serve` takes; also what tests build apps from."""
+
+    model: str | None = None
+    draft: str | None = "auto"  # None: no drafter
+    host: str = "127.0.0.1"
+    port: int = 8000
+    fastpath_max_tokens: int = 0  # requests with max_tokens <= this run target-only
+    api_key: str | None = None
+    max_tokens: int = 256  # default when a request gives none (clipped to the context left)
+    block_size: int | None = None
+    max_queue: int = 64
+    device: str = "auto"
+    dtype: str = "auto"
+    fallback: bool = True  # target-only fallback when speculation is slower
+    max_body_bytes: int = MAX_BODY_BYTES
+    recent: int = 32  # finished requests kept for /metrics?format=json
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None, headers: dict | None = None, counted: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers
+        self.counted = counted  # already in dflash_requests_total (the worker counts the jobs it ran)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+# --- request parsing ----------------------------------------------------------------------------
+
+_KINDS = {
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "number": (lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "a boolean"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "object": (lambda v: isinstance(v, dict), "an object"),
+}
+
+
+def _field(body: dict, name: str, kind: str, default=None):
+    """body[name] checked against `kind`; null or absent gives `default`."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok, what = _KINDS[kind]
+    if not ok(value):
+        raise bad(f"'{name}' must be {what}, got {json.dumps(value)[:40]}", name)
+    return value
+
+
+@dataclass
+class GenRequest:
+    """What the two completion endpoints have in common, validated."""
+
+    max_tokens: int | None
+    max_tokens_param: str  # the name the client used, for error messages
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+    sampler: Sampler
+
+
+def parse_common(body: dict) -> GenRequest:
+    """Validate the sampling, length, stop and streaming fields of a request body."""
+    _field(body, "model", "str")
+    for name in UNSUPPORTED:
+        if body.get(name):
+            raise bad(f"'{name}' is not supported by this server", name)
+    if _field(body, "n", "int", 1) != 1:
+        raise bad("only n = 1 is supported", "n")
+    max_tokens, max_tokens_param = None, "max_tokens"
+    for name in ("max_tokens", "max_completion_tokens"):  # the newer name wins when both are given
+        value = _field(body, name, "int")
+        if value is not None:
+            if value < 1:
+                raise bad(f"'{name}' must be >= 1, got {value}", name)
+            max_tokens, max_tokens_param = value, name
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    ok = isinstance(stops, list) and len(stops) <= MAX_STOPS
+    if not ok or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise bad(f"'stop' must be a string of 1 to {MAX_STOP_CHARS} characters or a list of at most {MAX_STOPS} "
+                  "of them", "stop")
+    options = _field(body, "stream_options", "object", {})
+    include_usage = _field(options, "include_usage", "bool", False)
+    temperature = _field(body, "temperature", "number", 0.0)  # greedy by default, like `dflash generate`
+    if not 0 <= temperature <= 2:
+        raise bad("'temperature' must be in [0, 2]", "temperature")
+    top_p = _field(body, "top_p", "number", 1.0)
+    if not 0 < top_p <= 1:
+        raise bad("'top_p' must be in (0, 1]", "top_p")
+    top_k = _field(body, "top_k", "int", 0)
+    if top_k < -1:
+        raise bad("'top_k' must be >= 0 (or -1: off)", "top_k")
+    min_p = _field(body, "min_p", "number", 0.0)
+    if not 0 <= min_p < 1:
+        raise bad("'min_p' must be in [0, 1)", "min_p")
+    seed = _field(body, "seed", "int")
+    if seed is not None and not -(2**63) <= seed < 2**64:
+        raise bad("'seed' must fit in 64 bits", "seed")
+    sampler = Sampler(float(temperature), float(top_p), max(top_k, 0), float(min_p), seed)
+    return GenRequest(max_tokens, max_tokens_param, stops, _field(body, "stream", "bool", False), include_usage,
+                      sampler)
+
+
+def parse_messages(value) -> list[dict]:
+    """OpenAI chat messages -> [{"role", "content": str}] (text parts joined; developer = system)."""
+    if not isinstance(value, list) or not value:
+        raise bad("'messages' must be a non-empty array", "messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object", where)
+        role = "system" if m.get("role") == "developer" else m.get("role")
+        if role not in ROLES:
+            raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {json.dumps(m.get('role'))[:40]}",
+                      f"{where}.role")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise bad(f"{where}.content[{j}] must be a text part {{'type': 'text', 'text': ...}}",
+                              f"{where}.content")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        if not isinstance(content, str):
+            raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def parse_prompt(value) -> str | list[int]:
+    """A completions prompt: a string, a list holding one string, or a list of token ids."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise bad("'prompt' is empty", "prompt")
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    raise bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
+
+
+class TextStream:
+    """Committed tokens -> text deltas, with stop strings cut out and never emitted: text that could
+    be the start of a stop string is held back until it is known not to be one."""
+
+    def __init__(self, pipe: Pipeline, stops: list[str]) -> None:
+        self.pipe, self.stops = pipe, stops
+        self.detok = Detokenizer(pipe)
+        self.sent = 0  # characters handed out so far
+        self.stopped = False  # a stop string was found
+
+    def add(self, token: int) -> str:
+        self.detok.add(token)
+        return self._advance(self.detok.sent, final=False)
+
+    def finish(self) -> str:
+        """The rest of the text once generation is over (incomplete characters included)."""
+        return self._advance(self.pipe.decode(self.detok.ids), final=True)
+
+    def _advance(self, text: str, final: bool) -> str:
+        if self.stopped:
+            return ""
+        # No stop can start before `sent`: such a start would have been held back (see below).
+        hits = [i for s in self.stops if (i := text.find(s, self.sent)) >= 0]
+        end = min(hits) if hits else len(text)
+        self.stopped = bool(hits)
+        if not hits and not final:
+            end -= max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            end = max(end, self.sent)
+        delta, self.sent = text[self.sent:end], end
+        return delta
+
+
+# --- jobs and the worker ------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One generation: its inputs, its channel back to the request handler and what it did."""
+
+    endpoint: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampler: Sampler
+    stops: list[str]
+    loop: asyncio.AbstractEventLoop
+    fastpath: bool = False
+    id: str = ""
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    stats: Stats = field(default_factory=Stats)
+    controller: FallbackController | None = None
+    created: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    first_token: float | None = None
+    completion_tokens: int = 0
+    seen: dict = field(default_factory=dict)  # speculative counters already exported
+
+    def emit(self, kind: str, payload=None) -> None:
+        """Hand ("delta", text) / ("done", info) / ("error", APIError) to the handler, from any thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    @property
+    def mode(self) -> str:
+        """fastpath, dflash, dflash+fallback (fell back at least once) or target-only (no drafter)."""
+        if self.fastpath:
+            return "fastpath"
+        if self.stats.mode == "dflash":
+            return "dflash+fallback" if self.controller and self.controller.fallbacks else "dflash"
+        return "target-only"
+
+    def summary(self) -> dict:
+        """This job as one row of /metrics?format=json (live while it runs)."""
+        s, now = self.stats, time.perf_counter()
+        return {
+            "id": self.id, "endpoint": self.endpoint, "mode": self.mode,
+            "prompt_tokens": len(self.prompt_ids), "completion_tokens": self.completion_tokens,
+            "max_tokens": self.max_tokens, "decode_tok_s": round(s.decode_tok_s, 2),
+            "acceptance_rate": round(s.acceptance_rate, 4),
+            "acceptance_length_mean": round(s.acceptance_length_mean, 4),
+            "acceptance_per_position": s.as_dict()["acceptance_per_position"], "cycles": s.cycles,
+            "queue_s": round((self.started or now) - self.created, 4),
+            "ttft_s": round(self.first_token - self.created, 4) if self.first_token else None,
+            "elapsed_s": round(now - self.created, 4),
+            "fallback_events": list(self.controller.events) if self.controller else [],
+        }
+
+
+class Engine:
+    """The model, its queue, the worker thread that owns both, and the metrics."""
+
+    def __init__(self, config: ServerConfig, loader: Callable[[], Pipeline],
+                 on_load_error: Callable[[BaseException], None] | None = None) -> None:
+        self.config, self.loader, self.on_load_error = config, loader, on_load_error
+        self.pipe: Pipeline | None = None
+        self.error: str | None = None
+        self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max(1, config.max_queue))
+        self.current: Job | None = None
+        self.recent: deque[dict] = deque(maxlen=config.recent)
+        self.tokenizer_lock = threading.Lock()  # the handlers encode while the worker decodes
+        self.target_s_per_token: float | None = None  # learned from target-only decoding, for the controller
+        self.stopping = False
+        self.metrics = Metrics(self)
+        self.thread = threading.Thread(target=self._main, name="dflash-worker", daemon=True)
+
+    @property
+    def name(self) -> str:
+        from .loading import DEFAULT_MODEL_NAME
+
+        return self.pipe.name if self.pipe else self.config.model or DEFAULT_MODEL_NAME
+
+    def start(self) -> None:
+        """Start the worker thread: it loads the model, then serves the queue."""
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Cancel the request in flight, turn away the waiting ones and let the worker end."""
+        self.stopping = True
+        job = self.current  # read once: the worker may clear it meanwhile
+        if job is not None:
+            job.cancel.set()
+        while True:
+            try:
+                waiting = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if waiting is not None:
+                waiting.cancel.set()
+                waiting.emit("error", APIError(503, "the server is shutting down", type="service_unavailable"))
+        self.queue.put_nowait(None)
+
+    def ready(self) -> Pipeline:
+        """The loaded pipeline, or a 503 while loading (or after loading failed)."""
+        if self.pipe is None:
+            why = f"the model failed to load: {self.error}" if self.error else "the model is still loading"
+            raise APIError(503, why, type="service_unavailable", code="model_not_ready", headers={"Retry-After": "5"})
+        return self.pipe
+
+    def encode(self, messages: list[dict] | None = None, prompt: str | list[int] | None = None) -> list[int]:
+        """Prompt token ids for a chat (template applied) or a completions prompt (as is)."""
+        pipe = self.ready()
+        if isinstance(prompt, list):
+            return prompt
+        param = "messages" if messages is not None else "prompt"
+        try:
+            with self.tokenizer_lock:
+                return pipe.encode_messages(messages) if messages is not None else pipe.encode(prompt, chat=False)
+        except Exception as e:  # no tokenizer, a template that rejects these messages
+            raise bad(f"could not tokenize the {param}: {e}", param) from e
+
+    def submit(self, job: Job) -> None:
+        """Queue a job, or answer 429 when the queue is full."""
+        job.id = job.id or f"{'chatcmpl' if job.endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if self.stopping:
+            raise APIError(503, "the server is shutting down", type="service_unavailable")
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            durations = [r["elapsed_s"] for r in list(self.recent)] or [1.0]  # copy: the worker appends
+            wait = max(1, math.ceil(self.queue.qsize() * sum(durations) / len(durations)))
+            raise APIError(429, f"the server is busy ({self.queue.qsize()} requests waiting); retry later",
+                           type="rate_limit_error", code="queue_full", headers={"Retry-After": str(wait)}) from None
+
+    # -- worker thread --
+
+    def _main(self) -> None:
+        try:
+            self.pipe = self.loader()
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+            log.error("dflash serve: could not load the model: %s", self.error)
+            if self.on_load_error:
+                self.on_load_error(e)
+            return
+        self._banner()
+        while not self.stopping:
+            job = self.queue.get()
+            if job is None:
+                break
+            self.current = job
+            try:
+                self._run(job)
+            except Exception as e:  # whatever one request does, the worker lives on for the next
+                log.exception("dflash serve: %s failed", job.id)
+                job.emit("error", APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+            finally:
+                self.current = None
+
+    def _banner(self) -> None:
+        p, c = self.pipe, self.config
+        drafter = "none (target-only)"
+        if p.drafter:
+            drafter = f"{p.draft_path} (block {min(c.block_size or p.drafter.block_size, p.drafter.block_size)})"
+        fastpath = f"max_tokens <= {c.fastpath_max_tokens} target-only" if c.fastpath_max_tokens else "off"
+        log.info("dflash serve: model %s (%s), context %d tokens", p.name, p.model_path, p.max_context)
+        log.info("dflash serve: drafter %s; fallback %s; fastpath %s", drafter,
+                 "on" if c.fallback and p.drafter else "off", fastpath)
+        log.info("dflash serve: device %s, dtype %s, queue %d", p.device, str(p.dtype).removeprefix("torch."),
+                 c.max_queue)
+        log.info("dflash serve: ready on http://%s:%d (OpenAI API under /v1; /health, /metrics)", c.host, c.port)
+
+    def _run(self, job: Job) -> None:
+        pipe, m = self.pipe, self.metrics
+        job.started = time.perf_counter()
+        if job.cancel.is_set():  # the client left while waiting
+            return self._finish(job, "cancelled", 499)
+        use_draft = pipe.drafter is not None and not job.fastpath
+        # A seeded sampled request runs a fixed schedule: the random draws depend on the block sizes,
+        # and the controller's choices depend on timing, so it would break reproducibility.
+        if use_draft and self.config.fallback and (job.sampler.greedy or job.sampler.seed is None):
+            job.controller = FallbackController(target_s_per_token=self.target_s_per_token)
+        text = TextStream(pipe, job.stops)
+        stops = set(pipe.stop_token_ids)
+        finish, status = "length", 200
+        gen = generate_tokens(
+            pipe.target, job.prompt_ids, max_new_tokens=job.max_tokens, drafter=pipe.drafter if use_draft else None,
+            block_size=self.config.block_size, stop_token_ids=pipe.stop_token_ids, sampler=job.sampler,
+            stats=job.stats, controller=job.controller,
+        )
+        try:
+            for token in gen:
+                job.first_token = job.first_token or time.perf_counter()
+                job.completion_tokens += 1
+                with self.tokenizer_lock:
+                    delta = text.add(token)
+                if delta:
+                    job.emit("delta", delta)
+                m.sync_live(job)
+                if text.stopped or token in stops:
+                    finish = "stop"
+                    break
+                if job.cancel.is_set():
+                    finish, status = "cancelled", 499
+                    break
+            if status == 200 and not text.stopped:
+                with self.tokenizer_lock:
+                    tail = text.finish()
+                if tail:
+                    job.emit("delta", tail)
+        except Exception as e:  # a bug or an out-of-memory must not take the worker down
+            log.exception("dflash serve: %s failed", job.id)
+            job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error",
+                                       counted=True))
+            finish, status = "error", 500
+        finally:
+            gen.close()
+        m.sync_live(job)
+        if job.controller and job.controller.plain:  # timed like speculative cycles (consumer time excluded)
+            self.target_s_per_token = job.controller.target_s_per_token
+        self._finish(job, finish, status)
+
+    def _finish(self, job: Job, finish: str, status: int) -> None:
+        row = job.summary() | {"status": status, "finish_reason": finish}
+        self.recent.append(row)
+        self.metrics.record(job, status)
+        if status != 500:  # a failure has sent its error already
+            job.emit("done" if status == 200 else "cancelled", {
+                "finish_reason": finish, "prompt_tokens": len(job.prompt_ids),
+                "completion_tokens": job.completion_tokens})
+        accept = ""
+        if job.stats.mode == "dflash":
+            accept = f", acceptance {row['acceptance_rate']:.0%} (mean length {row['acceptance_length_mean']:.2f})"
+        fallbacks = job.controller.fallbacks if job.controller else 0
+        log.info(
+            "%s %d %s: %d prompt + %d generated tokens (%s), %.1f tok/s, ttft %s, mode %s%s%s",
+            job.id, status, job.endpoint, row["prompt_tokens"], job.completion_tokens, finish, row["decode_tok_s"],
+            f"{row['ttft_s'] * 1000:.0f} ms" if row["ttft_s"] is not None else "-", row["mode"], accept,
+            f", {fallbacks} fallback(s)" if fallbacks else "",
+        )
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+
+class Metrics:
+    """Prometheus figures in a private registry (several apps may live in one process)."""
+
+    def __init__(self, engine: Engine) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.engine = engine
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("dflash_requests", "Requests by endpoint and HTTP status (499: the client left)",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("dflash_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("dflash_time_to_first_token_seconds", "Time to first token, queueing included",
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        self.tok_s = Histogram("dflash_decode_tokens_per_second", "Decode throughput per request (prefill excluded)",
+                               buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000), registry=r)
+        self.duration = Histogram("dflash_request_duration_seconds", "Request time, queueing included",
+                                  buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
+        self.drafts = Counter("dflash_spec_decode_num_drafts", "Speculative cycles that drafted", registry=r)
+        self.draft_tokens = Counter("dflash_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.accepted = Counter("dflash_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.accepted_per_pos = Counter("dflash_spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each block position", ["position"], registry=r)
+        self.fallback_events = Counter("dflash_fallback_events", "Target-only fallback controller events",
+                                       ["event"], registry=r)
+
+        def live(f: Callable[[Stats], float]) -> Callable[[], float]:
+            def read() -> float:
+                job = engine.current  # read once: the worker may clear it meanwhile
+                return f(job.stats) if job is not None else 0.0
+            return read
+
+        gauges = [
+            ("dflash_model_ready", "1 once the model is loaded", lambda: float(engine.pipe is not None)),
+            ("dflash_requests_waiting", "Requests in the queue", lambda: engine.queue.qsize()),
+            ("dflash_requests_running", "Requests being generated (0 or 1)", lambda: float(engine.current is not None)),
+            ("dflash_live_tokens_per_second", "Decode tok/s of the request in flight", live(lambda s: s.decode_tok_s)),
+            ("dflash_live_acceptance_rate", "Draft acceptance rate of the request in flight",
+             live(lambda s: s.acceptance_rate)),
+            ("dflash_live_acceptance_length_mean", "Tokens per verify pass of the request in flight",
+             live(lambda s: s.acceptance_length_mean)),
+            ("dflash_live_generated_tokens", "Tokens generated so far by the request in flight",
+             live(lambda s: s.generated_tokens)),
+        ]
+        for name, doc, f in gauges:
+            Gauge(name, doc, registry=r).set_function(f)
+
+    def sync_live(self, job: Job) -> None:
+        """Move the job's new speculative counts and fallback events into the counters (every cycle)."""
+        s, seen = job.stats, job.seen
+        drafts = s.drafted_per_position[0] if s.drafted_per_position else 0
+        for key, counter, value in (("drafts", self.drafts, drafts), ("draft", self.draft_tokens, s.drafted_tokens),
+                                    ("accepted", self.accepted, s.accepted_tokens)):
+            if value > seen.get(key, 0):
+                counter.inc(value - seen.get(key, 0))
+                seen[key] = value
+        per_pos = seen.setdefault("per_pos", [])
+        for k, value in enumerate(s.accepted_per_position):
+            if k == len(per_pos):
+                per_pos.append(0)
+            if value > per_pos[k]:
+                self.accepted_per_pos.labels(position=str(k)).inc(value - per_pos[k])
+                per_pos[k] = value
+        events = job.controller.events if job.controller else []
+        for e in events[seen.get("events", 0):]:
+            self.fallback_events.labels(event=e["event"]).inc()
+            if e["event"] == "fallback":
+                log.info("%s: speculation %.2f ms/token vs target %.2f ms/token at token %d: target-only, "
+                         "probing again in %d tokens", job.id, e["spec_ms_per_token"], e["target_ms_per_token"],
+                         e["token"], e["probe_in_tokens"])
+            else:
+                log.info("%s: %s speculation at token %d", job.id, e["event"], e["token"])
+        seen["events"] = len(events)
+
+    def record(self, job: Job, status: int) -> None:
+        """Count a finished (or cancelled, or failed) job."""
+        self.requests.labels(endpoint=job.endpoint, status=str(status)).inc()
+        self.prompt_tokens.inc(len(job.prompt_ids) if job.first_token else 0)
+        self.generation_tokens.inc(job.completion_tokens)
+        if job.first_token:
+            self.ttft.observe(job.first_token - job.created)
+        if job.stats.decode_tok_s > 0:
+            self.tok_s.observe(job.stats.decode_tok_s)
+        self.duration.observe(time.perf_counter() - job.created)
+
+    def text(self) -> bytes:
+        """The Prometheus text exposition."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+    def as_json(self) -> dict:
+        """The same figures as JSON, with the request in flight and the last finished ones."""
+        figures: dict = {}
+        for family in self.registry.collect():
+            for s in family.samples:
+                if s.name.endswith(("_created", "_bucket")):
+                    continue
+                name = s.name.removeprefix("dflash_")
+                if s.labels:
+                    key = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                    figures.setdefault(name, {})[key] = s.value
+                else:
+                    figures[name] = s.value
+        e, job = self.engine, self.engine.current
+        pipe = e.pipe
+        return {
+            "model": e.name, "ready": pipe is not None, "error": e.error,
+            "drafter": str(pipe.draft_path) if pipe and pipe.drafter else None,
+            "device": str(pipe.device) if pipe else None,
+            "queue": {"waiting": e.queue.qsize(), "max": e.config.max_queue, "running": int(job is not None)},
+            "metrics": figures,
+            "current": job.summary() if job is not None else None,
+            "recent": list(e.recent),
+        }
+
+
+# --- the app ------------------------------------------------------------------------------------
+
+
+async def read_json(request, limit: int) -> dict:
+    """The request body as a JSON object: 413 past `limit` bytes, 400 when it is not a JSON object."""
+    from starlette.requests import ClientDisconnect
+
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body larger than {limit} bytes", code="body_too_large")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body larger than {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise bad("the client disconnected while sending the body") from None
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:
+        raise bad(f"the body is not valid JSON: {e}"[:200]) from None
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object")
+    return body
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline] | None = None,
+               on_load_error: Callable[[BaseException], None] | None = None):
+    """The FastAPI app. The model loads in the worker thread once the app starts (/health: 503 until then).
+
+    loader: returns the Pipeline to serve (default: `load` with the config's model, drafter, device, dtype).
+    """
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    config = config or ServerConfig()
+    loader = loader or (lambda: load(config.model, config.draft, config.device, config.dtype))
+    engine = Engine(config, loader, on_load_error)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        yield
+        log.info("dflash serve: shutting down")
+        engine.stop()
+        # Let the worker leave torch before the interpreter goes (a daemon thread killed mid-op aborts).
+        await asyncio.to_thread(engine.thread.join, 10)
+
+    # No generated docs: the handlers take raw requests (errors must be OpenAI-shaped), so they would be empty.
+    app = FastAPI(title="dflash-torch", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        if e.status != 503:
+            log.info("%s %s -> %d %s", request.method, request.url.path, e.status, e.message)
+        if not e.counted:  # label by endpoint, never by raw path: clients must not create label values
+            endpoint = ENDPOINTS.get(request.url.path, "other")
+            engine.metrics.requests.labels(endpoint=endpoint, status=str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        return await api_error(request, APIError(e.status_code, str(e.detail), code=str(e.status_code)))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        return await api_error(request, bad(f"invalid request: {e.errors()[:1]}"[:300]))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception):
+        log.exception("dflash serve: %s %s failed", request.method, request.url.path)
+        return await api_error(request, APIError(500, f"internal error: {type(e).__name__}", type="server_error"))
+
+    def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        sent = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(sent, f"Bearer {config.api_key}".encode()):  # constant time
+            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    @app.get("/health")
+    async def health():
+        if engine.pipe is None:
+            status = "error" if engine.error else "loading"
+            return JSONResponse({"status": status, "error": engine.error}, status_code=503)
+        return {"status": "ok", "model": engine.name}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        pipe = engine.pipe
+        card = {"id": engine.name, "object": "model", "created": int(time.time()), "owned_by": "dflash-torch",
+                "max_model_len": pipe.max_context if pipe else None}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics(format: str = "prometheus"):
+        if format == "json":
+            return engine.metrics.as_json()
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/metrics.json")
+    async def metrics_json():
+        return engine.metrics.as_json()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        authorize(request)
+        engine.ready()
+        body = await read_json(request, config.max_body_bytes)
+        req = parse_common(body)
+        messages = parse_messages(body.get("messages"))
+        ids = await asyncio.to_thread(engine.encode, messages=messages)
+        return await respond(request, "chat", req, ids)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        authorize(request)
+        engine.ready()
+        body = await read_json(request, config.max_body_bytes)
+        req = parse_common(body)
+        prompt = parse_prompt(body.get("prompt"))
+        ids = await asyncio.to_thread(engine.encode, prompt=prompt)
+        return await respond(request, "completions", req, ids)
+
+    async def respond(request: Request, endpoint: str, req: GenRequest, ids: list[int]):
+        pipe = engine.ready()
+        prompt_param = "messages" if endpoint == "chat" else "prompt"
+        room = pipe.max_context - len(ids)
+        if room < 1:
+            raise bad(f"the prompt ({len(ids)} tokens) fills the model's context of {pipe.max_context} tokens",
+                      prompt_param)
+        max_tokens = req.max_tokens if req.max_tokens is not None else min(config.max_tokens, room)
+        try:
+            check_lengths(pipe, ids, max_tokens)
+        except ValueError as e:
+            raise bad(str(e), req.max_tokens_param if "max_tokens" in str(e) else prompt_param) from None
+        job = Job(endpoint, ids, max_tokens, req.sampler, req.stops, asyncio.get_running_loop(),
+                  fastpath=max_tokens <= config.fastpath_max_tokens)
+        engine.submit(job)
+        if req.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(stream(job, req), media_type="text/event-stream", headers=headers)
+        return await collect(request, job)
+
+    def chunk(job: Job, created: int, text: str | None, finish: str | None, usage: dict | None = None) -> dict:
+        if job.endpoint == "chat":
+            delta = {} if text is None else {"content": text}
+            if text == "" and finish is None:
+                delta = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            out = {"id": job.id, "object": "chat.completion.chunk", "created": created, "model": engine.name,
+                   "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            out = {"id": job.id, "object": "text_completion", "created": created, "model": engine.name,
+                   "choices": [choice]}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def usage(info: dict) -> dict:
+        p, c = info["prompt_tokens"], info["completion_tokens"]
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    async def stream(job: Job, req: GenRequest) -> AsyncIterator[str]:
+        created = int(time.time())
+        extra = {"usage": None} if req.include_usage else {}
+        try:
+            if job.endpoint == "chat":
+                yield _sse(chunk(job, created, "", None) | extra)
+            while True:
+                batch = [await job.events.get()]
+                while not job.events.empty():  # a backlog goes out as one chunk ("done"/"error" come last)
+                    batch.append(job.events.get_nowait())
+                text = "".join(p for k, p in batch if k == "delta")
+                if text:
+                    yield _sse(chunk(job, created, text, None) | extra)
+                kind, payload = batch[-1]
+                if kind == "delta":
+                    continue
+                if kind == "error":
+                    yield _sse(payload.body())
+                    break
+                if kind == "cancelled":  # the server is stopping (a client that left reads nothing)
+                    return
+                yield _sse(chunk(job, created, None, payload["finish_reason"]) | extra)
+                if req.include_usage:
+                    yield _sse(chunk(job, created, None, None, usage(payload)) | {"choices": []})
+                break
+            yield _sse("[DONE]")
+        finally:
+            job.cancel.set()  # the client left (or we are done): stop generating within a cycle
+
+    async def watch_disconnect(request: Request, job: Job) -> None:
+        # The body has been read, so the next message is http.disconnect: the client left (or we answered).
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancel.set()
+
+    async def collect(request: Request, job: Job):
+        parts: list[str] = []
+        watcher = asyncio.create_task(watch_disconnect(request, job))
+        try:
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "delta":
+                    parts.append(payload)
+                elif kind == "error":
+                    raise payload
+                elif kind == "cancelled":  # the client left (nobody reads this) or the server is stopping
+                    raise APIError(503, "the server is shutting down", type="service_unavailable", counted=True)
+                else:
+                    break
+        finally:
+            watcher.cancel()
+            job.cancel.set()
+        text, created, reason = "".join(parts), int(time.time()), payload["finish_reason"]
+        if job.endpoint == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            obj = "text_completion"
+        return {"id": job.id, "object": obj, "created": created, "model": engine.name, "choices": [choice],
+                "usage": usage(payload)}
+
+    return app
+
+
+# --- the command --------------------------------------------------------------------------------
+
+
+def add_parser(subparsers) -> None:
+    """Register `dflash serve` (picked up by cli.build_parser)."""
+    from .cli import _common_model_args
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, metrics)")
+    _common_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--fastpath-max-tokens", type=int, default=0, metavar="N",
+                   help="requests with max_tokens <= N run target-only (default 0: off)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    p.add_argument("--max-queue", type=int, default=64, metavar="N", help="requests that may wait (then 429)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the server until interrupted; exit 2 when the model cannot be loaded."""
+    import uvicorn
+
+    if args.max_queue < 1 or args.max_tokens < 1 or (args.block_size is not None and args.block_size < 1):
+        raise ValueError("--max-queue, --max-tokens and --block-size must be >= 1")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    config = ServerConfig(
+        model=args.model, draft=None if args.no_draft else args.draft, host=args.host, port=args.port,
+        fastpath_max_tokens=args.fastpath_max_tokens, api_key=args.api_key, max_tokens=args.max_tokens,
+        block_size=args.block_size, max_queue=args.max_queue, device=args.device, dtype=args.dtype,
+    )
+    failed: list[BaseException] = []
+
+    def on_load_error(e: BaseException) -> None:
+        failed.append(e)
+        server.should_exit = True
+
+    app = create_app(config, on_load_error=on_load_error)
+    if config.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
+        log.warning("dflash serve: listening on %s without --api-key: anyone who can reach it can use it", config.host)
+    log.info("dflash serve: loading %s on http://%s:%d (/health answers 503 until ready)",
+             config.model or "the default model", config.host, config.port)
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            app.state.engine.stop()  # Ctrl-C: end the generation in flight now, so its stream closes at once
+            await super().shutdown(sockets)
+
+    # One line per request comes from the worker, so no access log.
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
+                                   timeout_graceful_shutdown=5))
+    server.run()
+    return 2 if failed else 0

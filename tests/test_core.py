@@ -1,0 +1,198 @@
+"""The target runtime against transformers, the drafter against the reference vectors, rollback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_torch import loading
+from dflash_torch.drafter import build_target_layer_ids, load_drafter
+
+KINDS = ("llama", "qwen2", "qwen3")
+
+
+def _ours(path):
+    return loading.load_target(path, torch.device("cpu"), torch.float32)
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_decode_verify_match_transformers(tiny_models, kind):
+    ours, hf = _ours(tiny_models[kind]), _hf(tiny_models[kind])
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(0, 256, (1, 30), generator=g)
+    with torch.no_grad():
+        ref = hf(seq, output_hidden_states=True)
+    taps = [0, 2, 4]
+    want_hidden = torch.cat([ref.hidden_states[i + 1] for i in taps], dim=-1)
+
+    # prefill of 12 tokens, all logits and taps
+    cache = ours.new_cache(64)
+    out = ours(seq[:, :12], cache, logits="all", taps=taps)
+    torch.testing.assert_close(out.logits, ref.logits[:, :12], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.hidden, want_hidden[:, :12], rtol=1e-4, atol=1e-4)
+    # decode one token
+    out = ours(seq[:, 12:13], cache, logits="last", taps=taps)
+    torch.testing.assert_close(out.logits, ref.logits[:, 12:13], rtol=1e-4, atol=1e-4)
+    # a rejected block of junk, rolled back, then a verify block of the true tokens
+    junk = torch.randint(0, 256, (1, 7), generator=g)
+    ours(junk, cache, logits="all")
+    cache.crop(13)
+    out = ours(seq[:, 13:21], cache, logits="all", taps=taps)
+    torch.testing.assert_close(out.logits, ref.logits[:, 13:21], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.hidden, want_hidden[:, 13:21], rtol=1e-4, atol=1e-4)
+    assert cache.length == 21
+    # logits=None returns none; "last" only the last position
+    assert ours(seq[:, 21:23], cache, logits=None).logits is None
+    assert ours(seq[:, 23:26], cache, logits="last").logits.shape == (1, 1, 256)
+
+
+def test_rollback_equals_fresh_run(tiny_models):
+    """After a partly rejected block, the cache (below its length) equals a fresh run over the
+    committed tokens, and the next step gives the same logits."""
+    model = _ours(tiny_models["qwen3"])
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 256, (1, 9), generator=g)
+    block = torch.randint(0, 256, (1, 8), generator=g)
+    a = model.new_cache(40)
+    model(prompt, a)
+    model(block, a, logits="all")
+    a.crop(9 + 3)  # three block tokens kept
+    b = model.new_cache(40)
+    model(prompt, b)
+    model(block[:, :3], b)
+    n = a.length
+    assert n == b.length
+    # Same values up to float32 rounding (the fresh run multiplies matrices of another shape).
+    torch.testing.assert_close(a.k[..., :n, :], b.k[..., :n, :], rtol=0, atol=1e-5)
+    torch.testing.assert_close(a.v[..., :n, :], b.v[..., :n, :], rtol=0, atol=1e-5)
+    nxt = torch.randint(0, 256, (1, 2), generator=g)
+    torch.testing.assert_close(model(nxt, a, logits="all").logits, model(nxt, b, logits="all").logits,
+                               rtol=0, atol=1e-5)
+
+
+def test_rollback_is_bit_exact(tiny_models):
+    """A rejected block leaves no trace: verifying block B after rolling back a junk block gives
+    bit-identical logits, taps and cache to verifying B directly."""
+    model = _ours(tiny_models["llama"])
+    g = torch.Generator().manual_seed(4)
+    prompt, junk, good = (torch.randint(0, 256, (1, n), generator=g) for n in (11, 8, 8))
+    a, b = model.new_cache(40), model.new_cache(40)
+    model(prompt, a)
+    model(junk, a, logits="all")
+    a.crop(11)
+    model(prompt, b)
+    out_a = model(good, a, logits="all", taps=[1, 3])
+    out_b = model(good, b, logits="all", taps=[1, 3])
+    assert torch.equal(out_a.logits, out_b.logits) and torch.equal(out_a.hidden, out_b.hidden)
+    assert torch.equal(a.k[..., :19, :], b.k[..., :19, :]) and torch.equal(a.v[..., :19, :], b.v[..., :19, :])
+
+
+def test_target_layer_ids_rule():
+    assert build_target_layer_ids(8, 2) == [1, 5]
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert build_target_layer_ids(30, 1) == [15]
+
+
+def test_zlab_drafter_forward_matches_reference(zlab):
+    target = _ours(zlab / "target")
+    drafter = load_drafter(zlab / "draft")
+    assert drafter.target_layer_ids == [1, 5]
+    assert drafter.block_size == 8 and drafter.mask_token_id == 511
+    v = load_file(str(zlab / "forward_vector.safetensors"))
+    ctx_len, blk = v["target_hidden"].shape[1], v["noise_ids"].shape[1]
+    pos = v["position_ids"][0]
+    with torch.no_grad():
+        emb = target.embed_tokens(v["noise_ids"])
+        hidden = drafter(emb, v["target_hidden"], pos[ctx_len:], pos[:ctx_len])
+        logits = drafter.logits(hidden[:, 1:], target.lm_head)
+    assert hidden.shape[1] == blk
+    torch.testing.assert_close(hidden, v["draft_hidden"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, v["draft_logits"], rtol=1e-5, atol=1e-4)
+
+
+def test_zlab_drafter_cached_forward_equals_uncached(zlab):
+    """Feeding the context in two cycles through the draft cache gives the same block outputs."""
+    target = _ours(zlab / "target")
+    drafter = load_drafter(zlab / "draft")
+    v = load_file(str(zlab / "forward_vector.safetensors"))
+    ctx = v["target_hidden"]
+    emb = target.embed_tokens(v["noise_ids"])
+    pos = v["position_ids"][0]
+    with torch.no_grad():
+        ref = drafter(emb, ctx, pos[11:], pos[:11])
+        cache = drafter.new_cache(64)
+        drafter(emb, ctx[:, :6], torch.arange(6, 14), torch.arange(0, 6), cache)  # an earlier cycle
+        assert cache.length == 6
+        out = drafter(emb, ctx[:, 6:], pos[11:], pos[6:11], cache)
+        assert cache.length == 11
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def _cli_json(args, capsys):
+    from dflash_torch.cli import main
+
+    assert main(args) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("use_draft", [True, False])
+def test_zlab_generate_cli_matches_expected(zlab, capsys, use_draft):
+    expected = json.loads((zlab / "expected.json").read_text())
+    for case in expected["generate"]:
+        ids = ",".join(map(str, case["prompt"]))
+        args = ["generate", "--model", str(zlab / "target"), "--prompt-ids", ids, "--max-tokens", "48", "--json"]
+        args += ["--draft", str(zlab / "draft")] if use_draft else ["--no-draft"]
+        out = _cli_json(args, capsys)
+        assert out["token_ids"] == case["dflash_output"][:48] == case["greedy_output"][:48]
+        assert out["finish_reason"] == "length"
+        s = out["stats"]
+        assert s["generated_tokens"] == 48
+        if use_draft:
+            assert s["mode"] == "dflash" and 1 <= s["cycles"] <= 47
+            assert s["acceptance_length_mean"] == pytest.approx(47 / s["cycles"], abs=1e-3)
+        else:
+            assert s["mode"] == "target-only" and s["cycles"] == 48
+        assert set(s) >= {"generated_tokens", "cycles", "acceptance_length_mean", "acceptance_rate",
+                          "prefill_s", "decode_tok_s"}
+
+
+def test_cli_errors_are_messages_not_tracebacks(zlab, capsys, tmp_path):
+    from dflash_torch.cli import main
+
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt-ids", "1,2"]) == 2
+    assert "model not found" in capsys.readouterr().err
+    assert main(["generate", "--model", str(zlab / "target"), "--prompt-ids", "1,x"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+    assert main(["generate", "--model", str(zlab / "target"), "--prompt", "hi", "--no-draft"]) == 2
+    assert "no tokenizer" in capsys.readouterr().err
+    assert main(["generate", "--model", str(zlab / "target"), "--prompt-ids", "1,2", "--max-tokens", "0"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+    assert main(["generate", "--model", str(zlab / "target"), "--prompt-ids", "1,2", "--max-tokens", "9999"]) == 2
+    assert "context" in capsys.readouterr().err
+    assert main(["generate", "--model", str(zlab / "target"), "--draft", str(tmp_path), "--prompt-ids", "1"]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_drafter_mismatch_fails_at_load(zlab, tiny_models):
+    from dflash_torch.generate import load
+
+    with pytest.raises(ValueError, match="hidden size|vocab|layers"):
+        load(str(tiny_models["llama"]), draft=str(zlab / "draft"), quiet=True)
+
+
+def test_drafter_save_roundtrip(zlab, tmp_path):
+    d = load_drafter(zlab / "draft")
+    d.save(tmp_path / "d")
+    e = load_drafter(tmp_path / "d")
+    assert e.target_layer_ids == d.target_layer_ids and e.block_size == d.block_size
+    for (k, a), (_, b) in zip(d.state_dict().items(), e.state_dict().items()):
+        assert torch.equal(a, b), k

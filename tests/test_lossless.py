@@ -1,0 +1,155 @@
+"""Speculative greedy decoding is exactly target-only greedy decoding, whatever the drafter does."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash_torch import loading
+from dflash_torch.cache import KVCache
+from dflash_torch.drafter import load_drafter
+from dflash_torch.speculative import Stats, generate_tokens
+
+from .conftest import make_drafter
+
+BLOCK_SIZES = (2, 4, 8, 16)
+
+
+def _run(target, prompt, n, drafter=None, bs=None, stops=(), controller=None):
+    stats = Stats()
+    ids = list(generate_tokens(target, prompt, max_new_tokens=n, drafter=drafter, block_size=bs,
+                               stop_token_ids=stops, stats=stats, controller=controller))
+    return ids, stats
+
+
+@pytest.fixture(scope="module")
+def models_and_drafters(tiny_models, zlab, tmp_path_factory):
+    base = tmp_path_factory.mktemp("drafters")
+    out = []
+    for kind, path in tiny_models.items():
+        target = loading.load_target(path, torch.device("cpu"), torch.float32)
+        drafter = load_drafter(make_drafter(path, base / kind, block_size=16))
+        out.append((kind, target, drafter))
+    out.append(("zlab", loading.load_target(zlab / "target", torch.device("cpu"), torch.float32),
+                load_drafter(zlab / "draft")))
+    return out
+
+
+def test_speculative_equals_target_only_many_prompts(models_and_drafters):
+    """27+ random prompts per model x 4 models (108+) x block sizes {2, 4, 8, 16}; some runs stop at
+    an EOS that falls mid-block, all others at max tokens mid-block."""
+    rng = random.Random(0)
+    checked = 0
+    for kind, target, drafter in models_and_drafters:
+        vocab = target.config.vocab_size
+        for i in range(27):
+            prompt = [rng.randrange(vocab - 1) for _ in range(rng.randint(1, 20))]
+            n = rng.randint(1, 40)
+            ref, _ = _run(target, prompt, n)
+            assert len(ref) == n
+            # every third prompt: make a token from the middle of the reference an EOS
+            stops = (ref[len(ref) // 2],) if i % 3 == 0 else ()
+            want = ref[: ref.index(stops[0]) + 1] if stops else ref
+            if stops:
+                assert _run(target, prompt, n, stops=stops)[0] == want
+            for bs in BLOCK_SIZES:
+                got, stats = _run(target, prompt, n, drafter, bs, stops)
+                assert got == want, (kind, i, bs)
+                assert stats.generated_tokens == len(want)
+                assert sum(stats.acceptance_lengths) == len(want) - 1
+                checked += 1
+    assert checked >= 400
+
+
+class OracleDrafter:
+    """Proposes the true greedy continuation, corrupting each position with probability p.
+    Records, per proposal, how many leading proposed tokens were correct."""
+
+    def __init__(self, truth: list[int], prompt_len: int, vocab: int, p: float, block_size: int, seed: int = 0):
+        self.truth, self.n, self.vocab, self.p = truth, prompt_len, vocab, p
+        self.block_size, self.mask_token_id, self.target_layer_ids = block_size, vocab - 1, [0]
+        self.rng = random.Random(seed)
+        self.correct_prefixes: list[int] = []
+
+    def new_cache(self, max_len: int) -> KVCache:
+        return KVCache(1, 1, 1, max_len)
+
+    def propose(self, target, block, ctx, cache):
+        start = cache.length + ctx.shape[1]  # position of block[0]
+        cache.length = start
+        k = block.shape[1] - 1
+        logits = torch.zeros(1, k, self.vocab)
+        prefix, broken = 0, False
+        for j in range(k):
+            idx = start + 1 + j - self.n  # index into the completion of the proposed token
+            tok = self.truth[idx] if idx < len(self.truth) else 0
+            if self.rng.random() < self.p:
+                tok = (tok + 1) % (self.vocab - 1)  # a different token: certainly rejected
+                broken = True
+            prefix += not broken
+            logits[0, j, tok] = 10.0
+        self.correct_prefixes.append(prefix)
+        return logits
+
+
+@pytest.mark.parametrize("p", [0.0, 0.15, 0.5])
+@pytest.mark.parametrize("bs", [4, 16])
+def test_oracle_drafter_acceptance_stats(models_and_drafters, p, bs):
+    kind, target, _ = models_and_drafters[0]
+    rng = random.Random(int(p * 100) + bs)
+    for trial in range(6):
+        prompt = [rng.randrange(255) for _ in range(rng.randint(2, 12))]
+        n = rng.randint(10, 60)
+        truth, _ = _run(target, prompt, n + 16)
+        oracle = OracleDrafter(truth, len(prompt), target.config.vocab_size, p, bs, seed=trial)
+        got, stats = _run(target, prompt, n, oracle, bs)
+        assert got == truth[:n]
+        # each cycle keeps exactly the oracle's correct prefix, plus the bonus, cut at max tokens
+        remaining = n - 1
+        prefixes = iter(oracle.correct_prefixes)
+        for committed in stats.acceptance_lengths:
+            # with one token left the cycle is a plain target step: nothing is proposed
+            expect = 1 if remaining == 1 else min(next(prefixes) + 1, remaining)
+            assert committed == expect
+            remaining -= committed
+        assert remaining == 0 and next(prefixes, None) is None
+        assert stats.accepted_tokens == sum(oracle.correct_prefixes)
+        if p == 0.0:  # a drafter that is the truth: every full block is accepted whole
+            assert all(a == min(bs, r) for a, r in zip(stats.acceptance_lengths, _remainders(n, bs)))
+            assert stats.acceptance_rate == 1.0
+
+
+def _remainders(n: int, bs: int) -> list[int]:
+    out, left = [], n - 1
+    while left > 0:
+        out.append(left)
+        left -= min(bs, left)
+    return out
+
+
+class SwitchingController:
+    """Alternates plain target steps and speculative blocks, to check mode switches are lossless."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def block_size(self, stats):
+        self.calls += 1
+        return 1 if (self.calls // 3) % 2 else 16
+
+    def observe(self, block_size, committed, seconds):
+        assert committed <= block_size
+
+
+def test_block_size_controller_keeps_output(models_and_drafters):
+    for kind, target, drafter in models_and_drafters:
+        prompt = list(range(3, 12))
+        ref, _ = _run(target, prompt, 50)
+        truth, _ = _run(target, prompt, 80)
+        oracle = OracleDrafter(truth, len(prompt), target.config.vocab_size, 0.1, 16)
+        for d in (drafter, oracle):
+            got, stats = _run(target, prompt, 50, d, 16, controller=SwitchingController())
+            assert got == ref, kind
+            assert 1 in stats.acceptance_lengths  # target-only steps happened

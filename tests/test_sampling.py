@@ -1,0 +1,142 @@
+"""Sampling through DFlash is distributed exactly as sampling from the target alone."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from dflash_torch import loading
+from dflash_torch.drafter import load_drafter
+from dflash_torch.sampling import Sampler
+from dflash_torch.speculative import generate_tokens
+
+from .conftest import make_drafter, make_hf_model
+
+VOCAB, K = 5, 4  # joint over the first 4 tokens: 625 cells; tokens 2-3 are drafted, 4 is the bonus
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    base = tmp_path_factory.mktemp("sv")
+    path = make_hf_model("llama", base / "t", seed=7, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1)
+    target = loading.load_target(path, torch.device("cpu"), torch.float32)
+    with torch.no_grad():  # back to moderate logits, so sampling is spread over the vocab
+        target.lm_head.weight.mul_(0.1)
+    drafter = load_drafter(make_drafter(path, base / "d", block_size=4, seed=3))
+    return target, drafter
+
+
+def _exact_joint(target, prompt, sampler) -> dict[tuple, float]:
+    """P(first K tokens) under target-only sampling, by enumerating every prefix."""
+    probs = {(): 1.0}
+    for _ in range(K):
+        nxt = {}
+        for prefix, pr in probs.items():
+            cache = target.new_cache(len(prompt) + K)
+            logits = target(torch.tensor([prompt + list(prefix)]), cache, logits="last").logits[0]
+            p = sampler.probs(logits)[0]
+            for t in range(VOCAB):
+                if p[t] > 0:
+                    nxt[prefix + (t,)] = pr * float(p[t])
+        probs = nxt
+    return probs
+
+
+def _chi2_pvalue(counts: dict[tuple, int], exact: dict[tuple, float], n: int) -> float:
+    """Pearson chi-square; cells with expected count < 5 are pooled into one."""
+    stat, df, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for cell in itertools.product(range(VOCAB), repeat=K):
+        e, o = exact.get(cell, 0.0) * n, counts.get(cell, 0)
+        if e == 0:
+            assert o == 0, f"sampled an impossible sequence {cell}"
+            continue
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
+            continue
+        stat, df = stat + (o - e) ** 2 / e, df + 1
+    if pooled_exp > 0:
+        stat, df = stat + (pooled_obs - pooled_exp) ** 2 / pooled_exp, df + 1
+    return float(chi2.sf(stat, df))
+
+
+def _sample_counts(target, drafter, prompt, settings, n, seed0=0):
+    counts: dict[tuple, int] = {}
+    for i in range(n):
+        s = Sampler(**settings, seed=seed0 + i)
+        ids = tuple(generate_tokens(target, prompt, max_new_tokens=K, drafter=drafter, block_size=4, sampler=s))
+        counts[ids] = counts.get(ids, 0) + 1
+    return counts
+
+
+SETTINGS = [
+    {"temperature": 1.0},
+    {"temperature": 0.7, "top_p": 0.9},
+    {"temperature": 1.3, "top_k": 3},
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_dflash_sampling_matches_target_distribution(small_vocab, settings):
+    target, drafter = small_vocab
+    prompt = [1, 3, 0, 2]
+    exact = _exact_joint(target, prompt, Sampler(**settings))
+    n = 4000
+    counts = _sample_counts(target, drafter, prompt, settings, n)
+    assert _chi2_pvalue(counts, exact, n) > 1e-3
+
+
+def test_chi_square_detects_a_biased_sampler(small_vocab, monkeypatch):
+    """The test above can fail: accepting every draft (sampling from q) is caught."""
+    target, drafter = small_vocab
+    prompt = [1, 3, 0, 2]
+    settings = {"temperature": 1.0}
+    exact = _exact_joint(target, prompt, Sampler(**settings))
+
+    def accept_all(self, draft, target_logits, draft_probs):
+        return draft.shape[0], int(self._draw(self.probs(target_logits[-1:]))[0])
+
+    monkeypatch.setattr(Sampler, "verify", accept_all)
+    n = 4000
+    counts = _sample_counts(target, drafter, prompt, settings, n)
+    assert _chi2_pvalue(counts, exact, n) < 1e-6
+
+
+def test_greedy_path_unchanged_by_sampler_object(small_vocab):
+    target, drafter = small_vocab
+    a = list(generate_tokens(target, [1, 2], max_new_tokens=20, drafter=drafter, sampler=Sampler(0.0)))
+    b = list(generate_tokens(target, [1, 2], max_new_tokens=20))
+    assert a == b
+
+
+def test_probs_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    p = Sampler(1.0, top_k=2).probs(logits)[0]
+    assert (p[2:] == 0).all() and p[:2].sum() == pytest.approx(1.0)
+    full = torch.softmax(logits, -1)[0]
+    p = Sampler(1.0, top_p=0.8).probs(logits)[0]
+    kept = int((p > 0).sum())
+    assert full[: kept - 1].sum() < 0.8 <= full[:kept].sum()
+    p = Sampler(1.0, min_p=0.2).probs(logits)[0]
+    assert ((p > 0) == (full >= 0.2 * full.max())).all()
+    with pytest.raises(ValueError):
+        Sampler(-1.0)
+    with pytest.raises(ValueError):
+        Sampler(1.0, top_p=0.0)
+
+
+def test_seeded_generate_cli_is_reproducible(zlab, capsys):
+    from dflash_torch.cli import main
+
+    def run(seed):
+        args = ["generate", "--model", str(zlab / "target"), "--draft", str(zlab / "draft"), "--prompt-ids",
+                "3,17,42", "--max-tokens", "24", "--temperature", "1.0", "--seed", str(seed), "--json"]
+        assert main(args) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)

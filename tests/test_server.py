@@ -1,0 +1,528 @@
+"""`dflash serve`: the OpenAI-compatible server, run in-process on a random loopback port.
+
+The model is a tiny random Llama with a real character-level tokenizer and chat template (the zlab
+fixture has no tokenizer), so the official `openai` client can talk to it in text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import string
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from dflash_torch import cli
+from dflash_torch.fallback import FallbackController
+from dflash_torch.generate import Pipeline, generate, load
+from dflash_torch.server import ServerConfig, TextStream, create_app
+from dflash_torch.speculative import generate_tokens
+
+from .conftest import make_drafter, make_hf_model
+
+SPECIALS = ["[UNK]", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a haiku about rain"}]
+
+
+def make_chat_model(path: Path) -> tuple[Path, Path]:
+    """A tiny random Llama whose vocab is a character-level tokenizer with a chat template, and a
+    random drafter for it: (target dir, drafter dir)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    # One token per printable ASCII character (a BPE without merges splits text into characters);
+    # the last id is the drafter's mask token.
+    chars = list(dict.fromkeys(string.printable[:95] + "\n"))
+    vocab = {t: i for i, t in enumerate(SPECIALS + chars + ["<|mask|>"])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS + ["<|mask|>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<|end|>")
+    fast.chat_template = TEMPLATE
+    target = make_hf_model("llama", path / "target", vocab_size=len(vocab), eos_token_id=vocab["<|end|>"],
+                           bos_token_id=None, pad_token_id=None)
+    fast.save_pretrained(target)
+    return target, make_drafter(target, path / "draft")
+
+
+class ScriptedDrafter:
+    """Wraps a real drafter (which keeps its cache in step) and replaces its proposals: `script` is
+    the full token sequence to propose from (the target's own greedy continuation: an oracle); past
+    it, or without one, it proposes `wrong`, a token the target never picks here. `delay` seconds per
+    proposal make a slow drafter."""
+
+    def __init__(self, real, script: list[int] = (), wrong: int = 0, delay: float = 0.0) -> None:
+        self.real, self.script, self.wrong, self.delay = real, list(script), wrong, delay
+        self.block_size, self.mask_token_id = real.block_size, real.mask_token_id
+        self.target_layer_ids = real.target_layer_ids
+
+    def new_cache(self, max_len: int):
+        return self.real.new_cache(max_len)
+
+    def propose(self, target, block, ctx, cache):
+        logits = self.real.propose(target, block, ctx, cache)
+        time.sleep(self.delay)
+        pos = cache.length  # the drafter has taken in ctx: this is the position of the block's first token
+        want = [self.script[i] if i < len(self.script) else self.wrong for i in range(pos + 1, pos + block.shape[1])]
+        out = torch.full_like(logits, -1e4)
+        out[0, torch.arange(len(want)), torch.tensor(want)] = 1e4
+        return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Two shared cores: intra-op threads on these tiny matrices only fight each other (~20x slower).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> tuple[Path, Path]:
+    return make_chat_model(tmp_path_factory.mktemp("chat"))
+
+
+@pytest.fixture(scope="module")
+def pipe(chat_model) -> Pipeline:
+    return load(str(chat_model[0]), str(chat_model[1]), device="cpu", dtype="float32")
+
+
+@contextmanager
+def serve(pipe: Pipeline | None = None, loader=None, **config) -> Iterator[str]:
+    """Run the app under uvicorn in a thread on a free loopback port; yield its base URL once it is up."""
+    import uvicorn
+
+    app = create_app(ServerConfig(**config), loader=loader or (lambda: pipe))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.01)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    if loader is None:
+        while httpx.get(base + "/health").status_code != 200:
+            assert time.time() < deadline, "model did not become ready"
+            time.sleep(0.02)
+    try:
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server(pipe) -> Iterator[str]:
+    with serve(pipe, fastpath_max_tokens=4) as base:
+        yield base
+
+
+def client(base: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def solo(pipe: Pipeline, ids: list[int], max_tokens: int) -> str:
+    """The reference: target-only greedy text from the Python API."""
+    return generate(pipe, ids, max_tokens, use_draft=False).text
+
+
+def metrics_json(base: str) -> dict:
+    return httpx.get(base + "/metrics", params={"format": "json"}).json()
+
+
+def sse_text(lines: Iterator[str]) -> tuple[str, list[dict]]:
+    """(concatenated delta text, the parsed chunks) of a streamed chat or completion."""
+    chunks = []
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunks.append(json.loads(line[6:]))
+    text = "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or ""
+                   for c in chunks if c.get("choices"))
+    return text, chunks
+
+
+# --- the OpenAI API -----------------------------------------------------------------------------
+
+
+def test_openai_client_matches_generate(server, pipe, chat_model, capsys):
+    c = client(server)
+    want = generate(pipe, pipe.encode_messages(MSGS), 40)
+    assert want.text == solo(pipe, pipe.encode_messages(MSGS), 40)  # lossless, as a sanity check
+
+    r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=40)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == want.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(pipe.encode_messages(MSGS)), 40)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 40
+
+    s = c.chat.completions.create(model="tiny", messages=MSGS, max_completion_tokens=40, stream=True,
+                                  stream_options={"include_usage": True})
+    chunks = list(s)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
+
+    ids = pipe.encode("Once upon a time", chat=False)
+    r = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=30)
+    assert r.choices[0].text == solo(pipe, ids, 30) and r.usage.prompt_tokens == len(ids)
+    s = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=30, stream=True)
+    assert "".join(ch.choices[0].text for ch in s) == solo(pipe, ids, 30)
+    r = c.completions.create(model="tiny", prompt=ids, max_tokens=30)  # token ids work too (vLLM)
+    assert r.choices[0].text == solo(pipe, ids, 30)
+
+    # list-of-parts content is joined; `dflash generate` gives the same text as the server
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    r = c.chat.completions.create(model="tiny", messages=parts, max_tokens=20)
+    assert r.choices[0].message.content == solo(pipe, pipe.encode("Hello\nthere"), 20)
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", str(chat_model[0]), "--draft", str(chat_model[1]), "--device", "cpu",
+                     "--prompt", "Hello\nthere", "--max-tokens", "20", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"] == r.choices[0].message.content
+
+    assert [m.id for m in c.models.list().data] == [str(chat_model[0])]
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
+def test_stop_strings_are_cut_streamed_or_not(server, pipe):
+    full = solo(pipe, pipe.encode_messages(MSGS), 60)
+    stop = full[25:28]
+    want = full[: full.find(stop)]
+    body = {"messages": MSGS, "max_tokens": 60, "stop": ["never-there", stop]}
+    r = httpx.post(server + "/v1/chat/completions", json=body).json()
+    assert r["choices"][0]["message"]["content"] == want and r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] < 60
+    # streamed: the text that could start the stop string is held back, so it never goes out
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body | {"stream": True}) as resp:
+        text, chunks = sse_text(resp.iter_lines())
+    assert text == want and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    r = httpx.post(server + "/v1/completions", json={"prompt": "Once upon", "max_tokens": 40, "stop": "@"}).json()
+    assert "@" not in r["choices"][0]["text"]
+
+
+def test_text_stream_holds_back_stop_prefixes():
+    pipe = type("P", (), {"decode": staticmethod(lambda ids: "".join(map(chr, ids)))})()
+    ts = TextStream(pipe, ["<stop>", "xyz"])
+    out = [ts.add(ord(ch)) for ch in "ab<stX<st"]
+    assert "".join(out) == "ab<stX" and out[2:5] == ["", "", ""]  # "<st" waited until "X" ruled it out
+    assert [ts.add(ord(ch)) for ch in "op>more"] == ["", "", ""] + [""] * 4 and ts.stopped
+    ts = TextStream(pipe, ["xyz"])
+    assert "".join(ts.add(ord(ch)) for ch in "abxy") == "ab" and ts.finish() == "xy"  # released at the end
+
+
+def test_eight_concurrent_clients_get_their_solo_output(server, pipe):
+    prompts = [f"Prompt number {i}: {'abcdefgh'[i] * i}" for i in range(8)]
+    want = [solo(pipe, pipe.encode(p), 16 + i) for i, p in enumerate(prompts)]
+    got: list[str | None] = [None] * 8
+
+    def ask(i: int) -> None:
+        msgs = [{"role": "user", "content": prompts[i]}]
+        if i % 2:
+            s = client(server).chat.completions.create(model="t", messages=msgs, max_tokens=16 + i, stream=True)
+            got[i] = "".join(ch.choices[0].delta.content or "" for ch in s)
+        else:
+            got[i] = client(server).chat.completions.create(model="t", messages=msgs, max_tokens=16 + i) \
+                .choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == want
+
+
+def test_seeded_sampling_is_reproducible(server):
+    def ask(seed: int, stream: bool = False) -> str:
+        body = {"messages": MSGS, "max_tokens": 30, "temperature": 1.0, "top_p": 0.95, "top_k": 50, "seed": seed}
+        if stream:
+            with httpx.stream("POST", server + "/v1/chat/completions", json=body | {"stream": True}) as r:
+                return sse_text(r.iter_lines())[0]
+        return httpx.post(server + "/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+    first = ask(7)
+    assert ask(7) == first and ask(7, stream=True) == first
+    assert any(ask(seed) != first for seed in (8, 9, 10))  # and the seed matters
+
+
+def test_fastpath_runs_short_requests_target_only(server, pipe):
+    ids = pipe.encode("Hi")
+    for max_tokens, mode in ((4, "fastpath"), (12, "dflash")):
+        r = httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                               "max_tokens": max_tokens}).json()
+        assert r["choices"][0]["message"]["content"] == solo(pipe, ids, max_tokens)
+        assert metrics_json(server)["recent"][-1]["mode"].startswith(mode)
+
+
+# --- hostile input ------------------------------------------------------------------------------
+
+OK_MSGS = [{"role": "user", "content": "hi"}]
+BAD = [  # (path, body: dict or raw bytes, status, param)
+    ("/v1/chat/completions", b"{", 400, None),
+    ("/v1/chat/completions", b"\xff\xfe", 400, None),
+    ("/v1/chat/completions", b"[" * 100_000, 400, None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400,
+     "temperature"),
+    ("/v1/chat/completions", [], 400, None),
+    ("/v1/chat/completions", {}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [1]}, 400, "messages[0]"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "max_tokens": "10"}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "max_tokens": True}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "max_tokens": 10**6}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "temperature": "hot"}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "top_k": -5}, 400, "top_k"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "min_p": 1.5}, 400, "min_p"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "seed": 2**70}, 400, "seed"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "stop": 5}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "stop": [""]}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "stop": ["a"] * 17}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "stop": "a" * 257}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "stream": "yes"}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "stream_options": "x"}, 400, "stream_options"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "model": 5}, 400, "model"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x" * 512}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x" * (2 << 20)}, 413, None),
+]
+
+
+def test_malformed_and_hostile_requests_get_4xx_json(server, pipe):
+    for path, body, status, param in BAD:
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(server + path, headers={"content-type": "application/json"}, **kw)
+        assert r.status_code == status, (path, str(body)[:80], r.text[:200])
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+        assert err["param"] == param, (str(body)[:80], err)
+    for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/chat/completions", 405)):
+        r = httpx.request(method, server + path)
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    # chunked (no content-length) oversized body
+    r = httpx.post(server + "/v1/completions", content=iter([b'{"prompt": "', b"x" * (2 << 20), b'"}']))
+    assert r.status_code == 413
+    # still healthy and still exact
+    r = client(server).chat.completions.create(model="t", messages=OK_MSGS, max_tokens=10)
+    assert r.choices[0].message.content == solo(pipe, pipe.encode("hi"), 10)
+    assert 'status="400"' in httpx.get(server + "/metrics").text
+
+
+def test_api_key(pipe):
+    with serve(pipe, api_key="sekret") as base:
+        assert httpx.get(base + "/v1/models").status_code == 401
+        for key in ("wrong", "sekret"):
+            try:
+                r = client(base, key).chat.completions.create(model="t", messages=OK_MSGS, max_tokens=3)
+                assert key == "sekret" and r.usage.completion_tokens == 3
+            except openai.AuthenticationError as e:
+                assert key == "wrong" and e.status_code == 401 and e.code == "invalid_api_key"
+        assert httpx.get(base + "/health").status_code == 200
+
+
+def test_health_is_503_while_loading_then_200(pipe):
+    gate = threading.Event()
+
+    def slow_load():
+        gate.wait(10)
+        return pipe
+
+    with serve(loader=slow_load) as base:
+        assert httpx.get(base + "/health").status_code == 503
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": OK_MSGS})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+        gate.set()
+        deadline = time.time() + 10
+        while httpx.get(base + "/health").status_code != 200:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        assert httpx.post(base + "/v1/chat/completions", json={"messages": OK_MSGS, "max_tokens": 2}).status_code == 200
+
+    def broken():
+        raise FileNotFoundError("no such model")
+
+    with serve(loader=broken) as base:
+        time.sleep(0.2)
+        r = httpx.get(base + "/health")
+        assert r.status_code == 503 and "no such model" in r.json()["error"]
+
+
+# --- the worker: queue, cancellation, metrics, fallback -----------------------------------------
+
+
+def test_queue_full_429_and_disconnect_frees_the_worker(pipe):
+    # A drafter that is always wrong and slow, without the fallback: 400 tokens would take ~20 s.
+    slow = dataclasses.replace(pipe, drafter=ScriptedDrafter(pipe.drafter, delay=0.05))
+    with serve(slow, max_queue=1, fallback=False) as base:
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body) as long:
+            lines = long.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert metrics_json(base)["queue"]["running"] == 1
+            short: dict = {}
+            waiter = threading.Thread(target=lambda: short.update(r=client(base).completions.create(
+                model="t", prompt="Hello", max_tokens=3)))
+            waiter.start()
+            deadline = time.time() + 10
+            while metrics_json(base)["queue"]["waiting"] != 1:
+                assert time.time() < deadline
+                time.sleep(0.01)
+            r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["code"] == "queue_full"
+            t0 = time.time()
+        waiter.join(10)  # leaving the `with` closed the stream: the worker drops it within a cycle
+        assert time.time() - t0 < 3
+        assert short["r"].choices[0].text == solo(pipe, pipe.encode("Hello", chat=False), 3)
+        cancelled = metrics_json(base)["recent"][-2]
+        assert cancelled["status"] == 499 and cancelled["completion_tokens"] < 100
+        # a non-streamed request whose client gives up is dropped as fast
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 400}, timeout=0.5)
+        t0 = time.time()
+        while metrics_json(base)["queue"]["running"]:
+            assert time.time() - t0 < 3
+            time.sleep(0.01)
+        assert metrics_json(base)["recent"][-1]["status"] == 499
+
+
+def test_live_metrics_while_a_long_request_runs(pipe):
+    ids = pipe.encode("Once upon a time", chat=False)
+    want = generate(pipe, ids, 300, use_draft=False)
+    oracle = ScriptedDrafter(pipe.drafter, script=ids + want.token_ids, delay=0.02)
+    with serve(dataclasses.replace(pipe, drafter=oracle), fallback=False) as base:
+        done: dict = {}
+        t = threading.Thread(target=lambda: done.update(r=client(base).completions.create(
+            model="t", prompt="Once upon a time", max_tokens=300)))
+        t.start()
+        seen = None
+        while t.is_alive() and seen is None:
+            text = httpx.get(base + "/metrics").text
+            values = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
+            if values["dflash_requests_running"] == 1 and values["dflash_live_tokens_per_second"] > 0:
+                seen = values
+                current = metrics_json(base)["current"]
+            time.sleep(0.01)
+        t.join(60)
+        assert seen is not None, "never saw the request in flight"
+        assert seen["dflash_live_acceptance_rate"] > 0.5 and seen["dflash_live_acceptance_length_mean"] > 2
+        assert current is None or current["acceptance_rate"] > 0.5
+        assert done["r"].choices[0].text == want.text
+        final = httpx.get(base + "/metrics").text
+        for name in ("dflash_spec_decode_num_drafts_total", "dflash_spec_decode_num_draft_tokens_total",
+                     "dflash_spec_decode_num_accepted_tokens_total",
+                     'dflash_spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
+                     "dflash_time_to_first_token_seconds_count", "dflash_decode_tokens_per_second_count"):
+            assert any(ln.startswith(name + " ") and float(ln.split()[-1]) > 0 for ln in final.splitlines()), name
+        row = httpx.get(base + "/metrics.json").json()["recent"][-1]
+        assert row["mode"] == "dflash" and row["acceptance_length_mean"] > 2 and row["decode_tok_s"] > 0
+
+
+def test_acceptance_collapse_falls_back_to_target_only(pipe):
+    ids = pipe.encode_messages(MSGS)
+    want = generate(pipe, ids, 80, use_draft=False)
+    assert 0 not in want.token_ids  # so a drafter proposing token 0 ([UNK]) is always wrong
+    wrong = dataclasses.replace(pipe, drafter=ScriptedDrafter(pipe.drafter, wrong=0, delay=0.004))
+    with serve(wrong) as base:
+        r = client(base).chat.completions.create(model="t", messages=MSGS, max_tokens=80)
+        assert r.choices[0].message.content == want.text
+        row = metrics_json(base)["recent"][-1]
+        assert row["mode"] == "dflash+fallback" and row["acceptance_rate"] == 0
+        assert row["fallback_events"][0]["event"] == "fallback"
+        assert 'dflash_fallback_events_total{event="fallback"}' in httpx.get(base + "/metrics").text
+
+
+def test_fallback_controller_policy():
+    c = FallbackController(window=4, measure_steps=2, probe_after=10)
+    assert c.block_size(None) > 1
+    for _ in range(5):  # the first cycle is skipped, then a window of slow speculative cycles
+        c.observe(8, 1, 0.010)
+    assert c.state == "measure" and c.block_size(None) == 1
+    for _ in range(2):
+        c.observe(1, 1, 0.002)
+    assert c.state == "target" and c.events[-1]["event"] == "fallback" and c.events[-1]["probe_in_tokens"] == 10
+    while c.state == "target":
+        c.observe(1, 1, 0.002)
+    assert c.events[-1]["event"] == "probe" and c.block_size(None) > 1
+    for _ in range(5):  # the probe is fast this time (its first cycle is not timed): speculation resumes
+        c.observe(8, 5, 0.004)
+    assert c.state == "speculate" and c.events[-1]["event"] == "resume" and c.fallbacks == 1
+    fast = FallbackController(window=4, target_s_per_token=0.002)  # a known baseline: no measuring
+    for _ in range(20):
+        fast.observe(8, 4, 0.004)
+    assert fast.state == "speculate" and not fast.events
+
+
+def test_greedy_output_is_identical_in_every_mode(pipe):
+    ids = pipe.encode_messages(MSGS)
+    want = generate(pipe, ids, 60, use_draft=False).token_ids
+
+    def run(controller) -> list[int]:
+        return list(generate_tokens(pipe.target, ids, max_new_tokens=60, drafter=pipe.drafter,
+                                    stop_token_ids=pipe.stop_token_ids, controller=controller))
+
+    assert run(None) == want
+    assert run(FallbackController(window=2, measure_steps=1, probe_after=3, margin=-1.0)) == want  # always falls back
+    assert run(FallbackController(window=2, target_s_per_token=1.0)) == want  # never does
+
+
+def test_serve_command_line(chat_model):
+    args = cli.build_parser().parse_args(
+        ["serve", "--model", "m", "--no-draft", "--host", "0.0.0.0", "--port", "9", "--fastpath-max-tokens", "8",
+         "--api-key", "k", "--max-tokens", "5", "--block-size", "4", "--max-queue", "3", "--device", "cpu",
+         "--dtype", "float32"])
+    assert (args.model, args.no_draft, args.host, args.port, args.fastpath_max_tokens, args.api_key) == (
+        "m", True, "0.0.0.0", 9, 8, "k")
+    assert (args.max_tokens, args.block_size, args.max_queue, args.device, args.dtype) == (5, 4, 3, "cpu", "float32")
+    defaults = cli.build_parser().parse_args(["serve"])
+    assert (defaults.host, defaults.port, defaults.model, defaults.draft) == ("127.0.0.1", 8000, None, "auto")
+    # a model that cannot be loaded stops the server with exit status 2
+    assert cli.main(["serve", "--model", str(chat_model[0].parent / "missing"), "--port", "0"]) == 2
+
+
+def test_model_without_tokenizer_takes_token_ids(zlab):
+    # The published-format fixture has no tokenizer: completions take token ids, chat is a clear 400.
+    pipe = load(str(zlab / "target"), str(zlab / "draft"), device="cpu", dtype="float32")
+    prompt = json.loads((zlab / "expected.json").read_text())["generate"][0]["prompt"]
+    with serve(pipe) as base:
+        r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 24})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24
+        assert metrics_json(base)["recent"][-1]["mode"].startswith("dflash")
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": OK_MSGS})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
