@@ -64,19 +64,21 @@ def attend(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """q [B, H, Tq, D], k/v [B, Hkv, Tk, D], mask [Tq, Tk] bool or None -> [B, Tq, H * Dv]."""
-    if softcap is None:
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
-        )
-    else:
-        # Soft-capped scores (Gemma 2) are not expressible through SDPA: plain path.
-        groups = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-        scores = (q @ k.transpose(-1, -2)).float() * scale
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    if t > 32 and softcap is None:
+        # Long queries (prefill): the fused kernel wins.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hkv != h)
+        return out.transpose(1, 2).reshape(b, t, -1)
+    # Few queries (decode, verify, draft): plain matmuls. The query heads that share a kv head are
+    # stacked as extra rows, so keys/values are never copied per head; the CPU flash kernel is far
+    # slower at these shapes.
+    g = h // hkv
+    qg = q.reshape(b, hkv, g * t, d)  # row j * Tq + i = query head kv * g + j, position i
+    scores = (qg @ k.transpose(-1, -2)).float() * scale  # [B, Hkv, G * Tq, Tk]
+    if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        out = (scores.softmax(-1).to(v.dtype)) @ v
-    b, h, t, d = out.shape
-    return out.transpose(1, 2).reshape(b, t, h * d)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.repeat(g, 1), float("-inf"))
+    out = scores.softmax(-1).to(v.dtype) @ v  # [B, Hkv, G * Tq, Dv]
+    return out.reshape(b, h, t, -1).transpose(1, 2).reshape(b, t, -1)

