@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# Tiny models: one thread is fastest (no OpenMP barriers per small op) and keeps results stable.
+torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("DFLASH_SHARED", ROOT.parent / "shared"))
 ZLAB = SHARED / "fixtures" / "zlab-tiny"

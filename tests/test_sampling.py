@@ -12,7 +12,7 @@ from scipy.stats import chi2
 from dflash_torch import loading
 from dflash_torch.drafter import load_drafter
 from dflash_torch.sampling import Sampler
-from dflash_torch.speculative import generate_tokens
+from dflash_torch.speculative import Stats, generate_tokens
 
 from .conftest import make_drafter, make_hf_model
 
@@ -31,6 +31,7 @@ def small_vocab(tmp_path_factory):
     return target, drafter
 
 
+@torch.inference_mode()
 def _exact_joint(target, prompt, sampler) -> dict[tuple, float]:
     """P(first K tokens) under target-only sampling, by enumerating every prefix."""
     probs = {(): 1.0}
@@ -66,11 +67,14 @@ def _chi2_pvalue(counts: dict[tuple, int], exact: dict[tuple, float], n: int) ->
 
 def _sample_counts(target, drafter, prompt, settings, n, seed0=0):
     counts: dict[tuple, int] = {}
+    accepted = drafted = 0
     for i in range(n):
-        s = Sampler(**settings, seed=seed0 + i)
-        ids = tuple(generate_tokens(target, prompt, max_new_tokens=K, drafter=drafter, block_size=4, sampler=s))
+        s, stats = Sampler(**settings, seed=seed0 + i), Stats()
+        ids = tuple(generate_tokens(target, prompt, max_new_tokens=K, drafter=drafter, block_size=4, sampler=s,
+                                    stats=stats))
         counts[ids] = counts.get(ids, 0) + 1
-    return counts
+        accepted, drafted = accepted + stats.accepted_tokens, drafted + stats.drafted_tokens
+    return counts, accepted / drafted
 
 
 SETTINGS = [
@@ -86,7 +90,8 @@ def test_dflash_sampling_matches_target_distribution(small_vocab, settings):
     prompt = [1, 3, 0, 2]
     exact = _exact_joint(target, prompt, Sampler(**settings))
     n = 4000
-    counts = _sample_counts(target, drafter, prompt, settings, n)
+    counts, rate = _sample_counts(target, drafter, prompt, settings, n)
+    assert 0.1 < rate < 0.9  # both the accept and the residual paths were exercised
     assert _chi2_pvalue(counts, exact, n) > 1e-3
 
 
@@ -102,7 +107,7 @@ def test_chi_square_detects_a_biased_sampler(small_vocab, monkeypatch):
 
     monkeypatch.setattr(Sampler, "verify", accept_all)
     n = 4000
-    counts = _sample_counts(target, drafter, prompt, settings, n)
+    counts, _ = _sample_counts(target, drafter, prompt, settings, n)
     assert _chi2_pvalue(counts, exact, n) < 1e-6
 
 
