@@ -222,8 +222,15 @@ def run_ours(pipe, ids: list[int], max_tokens: int, use_draft: bool, args) -> tu
 
     stats = Stats()
     sampler = Sampler(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)  # fresh: same seed each run
+    controller = None
+    if use_draft and getattr(args, "adaptive", False) and pipe.drafter is not None:
+        from .adaptive import AdaptiveBlockSize, calibrate
+
+        if getattr(args, "_costs", None) is None:  # calibrated once per bench run
+            args._costs = calibrate(pipe.target, pipe.drafter)
+        controller = AdaptiveBlockSize(dict(args._costs), pipe.drafter.block_size)
     out = list(stream(pipe, ids, max_tokens, block_size=args.block_size, use_draft=use_draft, sampler=sampler,
-                      stop_token_ids=[] if args.ignore_eos else None, stats=stats))
+                      stop_token_ids=[] if args.ignore_eos else None, stats=stats, controller=controller))
     return Timing(stats.generated_tokens, stats.prefill_s, stats.decode_s), stats, out
 
 
@@ -510,7 +517,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out_dir = Path(args.out).expanduser() if args.out else None
     log = lambda msg: print(f"dflash bench: {msg}", file=sys.stderr)
 
-    pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype)
+    pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize)
     encoded = {name: [(p, encode(pipe, p)) for p in ps] for name, ps in suites.items()}
     engines = ["baseline"] + (["dflash"] if pipe.drafter is not None else [])
     note = None

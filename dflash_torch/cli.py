@@ -18,6 +18,10 @@ def _common_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
         p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--quantize", default=None, choices=["int8"], help="weight-only int8 target (default: off)")
+    if draft:
+        p.add_argument("--adaptive", action="store_true",
+                       help="pick the block size per cycle from measured costs and acceptance")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -43,16 +47,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     sampler = Sampler(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
-    pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype)
+    pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize)
     if args.prompt_ids is not None:
         prompt = _parse_ids(args.prompt_ids)
     else:
         prompt = pipe.encode(args.prompt, chat=not args.no_chat_template)
+    controller = None
+    if args.adaptive and pipe.drafter is not None and not args.no_draft:
+        from .adaptive import AdaptiveBlockSize, calibrate
+
+        controller = AdaptiveBlockSize(calibrate(pipe.target, pipe.drafter), pipe.drafter.block_size)
     stats = Stats()
     detok = Detokenizer(pipe)
     ids = []
     for tok in stream(pipe, prompt, args.max_tokens, block_size=args.block_size,
-                      use_draft=not args.no_draft, sampler=sampler, stats=stats):
+                      use_draft=not args.no_draft, sampler=sampler, stats=stats, controller=controller):
         ids.append(tok)
         if not args.json and pipe.tokenizer is not None:
             sys.stdout.write(detok.add(tok))
@@ -80,6 +89,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "acceptance_per_position": d["acceptance_per_position"], "block_size": d["block_size"],
                 "mode": d["mode"], "prompt_tokens": d["prompt_tokens"]},
         }
+        if controller is not None:
+            used = controller.history
+            out["stats"]["block_sizes_used"] = {str(b): used.count(b) for b in sorted(set(used))}
         print(json.dumps(out))
     return 0
 

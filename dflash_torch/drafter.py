@@ -194,7 +194,7 @@ class DFlashDrafter(nn.Module):
         if self.input_scale != 1.0:
             emb = emb * self.input_scale
         hidden = self(emb.to(self.dtype), ctx.to(self.dtype), q_pos, ctx_pos, cache)
-        return self.logits(hidden[:, 1:].to(target.lm_head.weight.dtype), target.lm_head)
+        return self.logits(hidden[:, 1:].to(target.embed_tokens.weight.dtype), target.lm_head)
 
     def check_target(self, target_config: dict, num_target_layers: int, vocab_size: int) -> None:
         """Fail early, with a message a user can act on, when this drafter cannot serve the target."""

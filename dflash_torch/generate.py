@@ -77,16 +77,24 @@ def load(
     device: str = "auto",
     dtype: str = "auto",
     quiet: bool = False,
+    quantize: str | None = None,
 ) -> Pipeline:
     """Load a target and its drafter.
 
     model: None (embedded default), a directory, a .gguf file or a hub id. draft: "auto" (the
     registered drafter for this model, if any), None (no drafter), or a directory / hub id.
+    quantize: None or "int8" (weight-only int8 linear layers in the target).
     """
     dev = loading.pick_device(device)
     dt = loading.pick_dtype(dtype, dev)
     path = loading.resolve_model(model)
     target = loading.load_target(path, dev, dt)
+    if quantize == "int8":
+        from .quantize import quantize_int8
+
+        quantize_int8(target)
+    elif quantize is not None:
+        raise ValueError(f"unknown quantization {quantize!r} (choose int8)")
     tokenizer = loading.load_tokenizer(path)
     config = json.loads((path / "config.json").read_text())
     name = model or loading.DEFAULT_MODEL_NAME

@@ -138,7 +138,7 @@ class Model(nn.Module):
         c = self.config
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(c.rope, c.head_dim, c.max_position_embeddings).to(self.lm_head.weight.device)
+        self.rotary = Rotary(c.rope, c.head_dim, c.max_position_embeddings).to(self.model.embed_tokens.weight.device)
 
     @property
     def num_layers(self) -> int:
@@ -150,7 +150,7 @@ class Model(nn.Module):
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         """A cache for `max_len` positions on this model's device and dtype."""
-        c, w = self.config, self.lm_head.weight
+        c, w = self.config, self.model.embed_tokens.weight  # (the LM head may be quantized)
         return KVCache(
             c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len,
             batch=batch, dtype=w.dtype, device=w.device,
@@ -170,7 +170,7 @@ class Model(nn.Module):
         """
         start, t = cache.length, input_ids.shape[1]
         positions = torch.arange(start, start + t, device=input_ids.device)
-        cos, sin = self.rotary(positions, self.lm_head.weight.dtype)
+        cos, sin = self.rotary(positions, self.model.embed_tokens.weight.dtype)
         window = self.config.sliding_window
         # Decode (T == 1) sees every cached key: no mask needed unless a window cuts them off.
         mask = None

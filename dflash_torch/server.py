@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
 from .fallback import FallbackController
 from .generate import Detokenizer, Pipeline, check_lengths, load
 from .sampling import Sampler
@@ -59,6 +60,8 @@ class ServerConfig:
     max_queue: int = 64
     device: str = "auto"
     dtype: str = "auto"
+    quantize: str | None = None  # "int8": weight-only int8 target
+    adaptive: bool = False  # adaptive block size (inside the fallback's decision)
     fallback: bool = True  # target-only fallback when speculation is slower
     max_body_bytes: int = MAX_BODY_BYTES
     recent: int = 32  # finished requests kept for /metrics?format=json
@@ -303,6 +306,7 @@ class Engine:
         self.recent: deque[dict] = deque(maxlen=config.recent)
         self.tokenizer_lock = threading.Lock()  # the handlers encode while the worker decodes
         self.target_s_per_token: float | None = None  # learned from target-only decoding, for the controller
+        self._costs: dict[int, float] | None = None  # seconds per cycle by block size (--adaptive)
         self.stopping = False
         self.metrics = Metrics(self)
         self.thread = threading.Thread(target=self._main, name="dflash-worker", daemon=True)
@@ -413,6 +417,11 @@ class Engine:
         # and the controller's choices depend on timing, so it would break reproducibility.
         if use_draft and self.config.fallback and (job.sampler.greedy or job.sampler.seed is None):
             job.controller = FallbackController(target_s_per_token=self.target_s_per_token)
+            if self.config.adaptive and self.config.block_size is None:
+                if self._costs is None:  # measured once, on the first request that can use it
+                    self._costs = calibrate(pipe.target, pipe.drafter)
+                job.controller = WithFallback(job.controller, AdaptiveBlockSize(dict(self._costs),
+                                                                                pipe.drafter.block_size))
         text = TextStream(pipe, job.stops)
         stops = set(pipe.stop_token_ids)
         finish, status = "length", 200
@@ -637,7 +646,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
     from starlette.exceptions import HTTPException
 
     config = config or ServerConfig()
-    loader = loader or (lambda: load(config.model, config.draft, config.device, config.dtype))
+    loader = loader or (lambda: load(config.model, config.draft, config.device, config.dtype, quantize=config.quantize))
     engine = Engine(config, loader, on_load_error)
 
     @asynccontextmanager
@@ -871,6 +880,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model, draft=None if args.no_draft else args.draft, host=args.host, port=args.port,
         fastpath_max_tokens=args.fastpath_max_tokens, api_key=args.api_key, max_tokens=args.max_tokens,
         block_size=args.block_size, max_queue=args.max_queue, device=args.device, dtype=args.dtype,
+        quantize=getattr(args, "quantize", None), adaptive=getattr(args, "adaptive", False),
     )
     failed: list[BaseException] = []
 

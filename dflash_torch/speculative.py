@@ -110,7 +110,7 @@ def generate_tokens(
     """
     stats = stats if stats is not None else Stats()
     sampler = sampler or Sampler()
-    device = target.lm_head.weight.device
+    device = target.embed_tokens.weight.device
     stops = set(stop_token_ids)
     if drafter is None:
         block_size = 1

@@ -1,0 +1,125 @@
+"""Adaptive block size: pick, each cycle, the block size with the most expected tokens per second.
+
+A block of b positions commits E(b) = 1 + r_1 + ... + r_{b-1} tokens on average, where r_k is the
+probability that the first k drafted tokens are all accepted (the running per-position acceptance).
+It costs t(b) = draft + verify seconds, measured per block size (a calibration at start, then a
+moving average of the cycles actually run). The best block size maximises E(b) / t(b); b = 1 is a
+plain target step (E = 1), so a drafter that stops paying is dropped the same way. Every few cycles
+the full block is tried again so the acceptance of the far positions stays current.
+Output never depends on this choice: every token is the target's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class AdaptiveBlockSize:
+    """`controller` for `speculative.generate_tokens`.
+
+    costs: {block size: seconds per cycle} to start from (see `calibrate`); max_block: the drafter's
+    block size; decay: weight kept by old acceptance counts each cycle; probe_every: cycles between
+    full-block probes.
+    """
+
+    def __init__(self, costs: dict[int, float], max_block: int, decay: float = 0.97, probe_every: int = 16) -> None:
+        self.costs = {b: t for b, t in costs.items() if 1 <= b <= max_block}
+        if 1 not in self.costs or max_block not in self.costs:
+            raise ValueError("costs must include block size 1 and the drafter's block size")
+        self.max_block, self.decay, self.probe_every = max_block, decay, probe_every
+        self.accepted = [0.0] * max_block  # [k]: decayed count of cycles whose first k + 1 drafts were kept
+        self.drafted = [0.0] * max_block
+        self.cycles = 0
+        self.history: list[int] = []  # block size chosen per cycle (for metrics and bench output)
+
+    def expected_tokens(self, b: int) -> float:
+        """E(b): expected committed tokens of a b-wide cycle under the current acceptance estimates."""
+        total = 1.0
+        for k in range(b - 1):
+            # optimistic prior (0.5) for positions never drafted yet, so they get tried
+            r = self.accepted[k] / self.drafted[k] if self.drafted[k] > 0.5 else 0.5
+            total += r
+        return total
+
+    def cost(self, b: int) -> float:
+        """t(b), interpolated linearly between measured block sizes."""
+        if b in self.costs:
+            return self.costs[b]
+        lo = max(k for k in self.costs if k < b)
+        hi = min(k for k in self.costs if k > b)
+        return self.costs[lo] + (self.costs[hi] - self.costs[lo]) * (b - lo) / (hi - lo)
+
+    def best(self) -> int:
+        return max(range(1, self.max_block + 1), key=lambda b: self.expected_tokens(b) / self.cost(b))
+
+    def block_size(self, stats) -> int:
+        """Block size for the next cycle."""
+        self.cycles += 1
+        b = self.max_block if self.cycles % self.probe_every == 1 else self.best()
+        self.history.append(b)
+        return b
+
+    def observe(self, block_size: int, committed: int, seconds: float) -> None:
+        """Update acceptance per position and the cost of this block size."""
+        if block_size > 1:
+            kept = min(committed - 1, block_size - 1)
+            for k in range(self.max_block):
+                self.accepted[k] *= self.decay
+                self.drafted[k] *= self.decay
+            for k in range(block_size - 1):
+                self.drafted[k] += 1
+                self.accepted[k] += k < kept
+        old = self.costs.get(block_size)
+        self.costs[block_size] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+
+class WithFallback:
+    """The adaptive width, inside a target-only fallback controller's decision to speculate at all.
+    Attribute reads (events, fallbacks, ...) go to the fallback controller."""
+
+    def __init__(self, fallback, adaptive: AdaptiveBlockSize) -> None:
+        self.fallback, self.adaptive = fallback, adaptive
+
+    def block_size(self, stats) -> int:
+        return 1 if self.fallback.block_size(stats) == 1 else self.adaptive.block_size(stats)
+
+    def observe(self, block_size: int, committed: int, seconds: float) -> None:
+        self.fallback.observe(block_size, committed, seconds)
+        self.adaptive.observe(block_size, committed, seconds)
+
+    def __getattr__(self, name: str):
+        return getattr(self.fallback, name)
+
+
+@torch.inference_mode()
+def calibrate(target, drafter, sizes: tuple[int, ...] | None = None, context: int = 64, repeats: int = 3) -> dict:
+    """Measure draft + verify seconds per block size on a dummy context of `context` tokens."""
+    device = target.embed_tokens.weight.device
+    sizes = sizes or tuple(sorted({1, 2, 4, 8, drafter.block_size} - {0}))
+    sizes = tuple(b for b in sizes if b <= drafter.block_size)
+    vocab = target.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
+    costs = {}
+    for b in sizes:
+        cache = target.new_cache(context + b + 1)
+        dcache = drafter.new_cache(context + b + 1)
+        out = target(prompt, cache, logits="last", taps=drafter.target_layer_ids)
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            cache.crop(context)
+            dcache.crop(0)
+            block = torch.full((1, b), drafter.mask_token_id, dtype=torch.long, device=device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if b > 1:
+                block[0, 1:] = drafter.propose(target, block, out.hidden, dcache)[0].argmax(-1)
+            logits = target(block, cache, logits="all", taps=drafter.target_layer_ids).logits
+            logits.argmax(-1).tolist()  # the loop's acceptance decision syncs here too
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        costs[b] = sorted(times[1:])[len(times[1:]) // 2]
+    return costs

@@ -1,0 +1,91 @@
+"""Performance switches never change results: int8 weights, bfloat16, adaptive block sizes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash_torch import loading
+from dflash_torch.adaptive import AdaptiveBlockSize, calibrate
+from dflash_torch.drafter import load_drafter
+from dflash_torch.quantize import Int8Linear, quantize_int8
+from dflash_torch.speculative import Stats, generate_tokens
+
+from .conftest import make_drafter
+from .test_lossless import OracleDrafter
+
+
+def _gen(target, prompt, n, drafter=None, controller=None, bs=None):
+    stats = Stats()
+    out = list(generate_tokens(target, prompt, max_new_tokens=n, drafter=drafter, stats=stats, controller=controller,
+                               block_size=bs))
+    return out, stats
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_models, tmp_path_factory):
+    path = tiny_models["qwen3"]
+    d = make_drafter(path, tmp_path_factory.mktemp("fd") / "d", block_size=8)
+    return path, d
+
+
+def test_int8_linear_matches_dequantized_weights():
+    lin = torch.nn.Linear(64, 96, bias=True)
+    q = Int8Linear(lin)
+    x = torch.randn(5, 64)
+    ref = torch.nn.functional.linear(x, q.weight, q.bias)
+    torch.testing.assert_close(q(x), ref, rtol=1e-4, atol=1e-4)
+    assert (q.weight - lin.weight).abs().max() <= lin.weight.abs().max() / 127  # rounding error bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("int8", [False, True])
+def test_switches_keep_speculative_equal_to_target_only(pair, dtype, int8):
+    """Under each switch, DFlash greedy == target-only greedy with the same switch."""
+    path, dpath = pair
+    target = loading.load_target(path, torch.device("cpu"), dtype)
+    if int8:
+        quantize_int8(target)
+        assert isinstance(target.lm_head, Int8Linear)
+    drafter = load_drafter(dpath, dtype=dtype)
+    rng = random.Random(5)
+    for _ in range(8):
+        prompt = [rng.randrange(255) for _ in range(rng.randint(2, 10))]
+        ref, _ = _gen(target, prompt, 30)
+        truth, _ = _gen(target, prompt, 50)
+        assert _gen(target, prompt, 30, drafter)[0] == ref
+        assert _gen(target, prompt, 30, OracleDrafter(truth, len(prompt), 256, 0.2, 8))[0] == ref
+
+
+def test_adaptive_block_size_is_lossless_and_adapts(pair):
+    path, dpath = pair
+    target = loading.load_target(path, torch.device("cpu"), torch.float32)
+    # verify+draft cost grows with the block: a perfect drafter should still use wide blocks,
+    # a useless one should drop to plain steps.
+    costs = {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8}
+    prompt = [5, 6, 7]
+    ref, _ = _gen(target, prompt, 120)
+    truth, _ = _gen(target, prompt, 140)
+
+    class Frozen(AdaptiveBlockSize):  # costs fixed, so the test does not depend on timing
+        def observe(self, block_size, committed, seconds):
+            super().observe(block_size, committed, self.costs[block_size] if block_size in self.costs else seconds)
+
+    good = Frozen(dict(costs), 8)
+    out, _ = _gen(target, prompt, 120, OracleDrafter(truth, 3, 256, 0.0, 8), good, bs=8)
+    assert out == ref
+    assert good.history.count(8) > 0.8 * len(good.history)
+
+    bad = Frozen(dict(costs), 8)
+    out, stats = _gen(target, prompt, 120, OracleDrafter(truth, 3, 256, 1.0, 8), bad, bs=8)
+    assert out == ref
+    assert bad.history.count(1) > 0.7 * len(bad.history)
+
+
+def test_calibrate_measures_each_block_size(pair):
+    path, dpath = pair
+    target = loading.load_target(path, torch.device("cpu"), torch.float32)
+    costs = calibrate(target, load_drafter(dpath), context=16, repeats=1)
+    assert sorted(costs) == [1, 2, 4, 8] and all(t > 0 for t in costs.values())
