@@ -1,0 +1,113 @@
+"""`dflash profile`: where one cycle's time goes, and the speedup ceiling it implies.
+
+For each block size B it times one target decode step, one verify pass over B positions and one
+draft pass, and prints the best possible speedup for an acceptance length tau:
+    speedup <= tau * t_decode / (t_verify(B) + t_draft(B)).
+With --ops it also lists the heaviest operators of a decode step (torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def profile_pipeline(pipe, sizes: list[int], context: int = 128, repeats: int = 10) -> dict:
+    """Median seconds of a decode step, and of verify and draft passes per block size."""
+    target, drafter = pipe.target, pipe.drafter
+    device = target.embed_tokens.weight.device
+    vocab = target.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
+    taps = drafter.target_layer_ids if drafter else ()
+    cache = target.new_cache(context + max(sizes) + 1)
+    out = target(prompt, cache, logits="last", taps=taps)
+
+    def step(b):
+        cache.crop(context)
+        target(prompt[:, :b], cache, logits="all" if b > 1 else "last", taps=taps)
+
+    result = {"context": context, "decode_s": _time(lambda: step(1), repeats), "verify_s": {}, "draft_s": {}}
+    for b in sizes:
+        result["verify_s"][b] = _time(lambda b=b: step(b), repeats)
+        if drafter is not None and 1 < b <= drafter.block_size:
+            dcache = drafter.new_cache(context + b + 1)
+            block = torch.full((1, b), drafter.mask_token_id, dtype=torch.long, device=device)
+
+            def draft(b=b, block=block, dcache=dcache):
+                dcache.crop(0)
+                drafter.propose(target, block, out.hidden, dcache).argmax(-1)
+
+            # the first cycle's draft also fuses the whole prompt's features; later ones only a few:
+            # time the steady state, with the context already cached and a handful of new features
+            draft()
+            steady = out.hidden[:, :4]
+
+            def draft_steady(b=b, block=block, dcache=dcache, steady=steady):
+                dcache.crop(context - 4)
+                drafter.propose(target, block, steady, dcache).argmax(-1)
+
+            result["draft_s"][b] = _time(draft_steady, repeats)
+    return result
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .generate import load
+
+    pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    r = profile_pipeline(pipe, sizes, args.context, args.repeats)
+    d = r["decode_s"]
+    print(f"threads {torch.get_num_threads()}, device {pipe.device}, dtype {pipe.dtype}, context {args.context}")
+    print(f"decode step: {d * 1e3:.2f} ms ({1 / d:.1f} tok/s)")
+    head = f"{'B':>3} {'verify ms':>10} {'draft ms':>9} {'cycle/decode':>13}"
+    print(head + f" {'ceiling tau=2':>14} {'tau=3':>6} {'tau=4':>6}")
+    for b in sizes:
+        v, dr = r["verify_s"][b], r["draft_s"].get(b, 0.0)
+        ratio = (v + dr) / d
+        ceil = " ".join(f"{t / ratio:6.2f}" for t in (2, 3, 4))
+        print(f"{b:>3} {v * 1e3:>10.2f} {dr * 1e3:>9.2f} {ratio:>13.2f}  {ceil}")
+    if args.ops:
+        from torch.profiler import ProfilerActivity, profile
+
+        cache = pipe.target.new_cache(args.context + 2)
+        ids = torch.randint(0, pipe.target.config.vocab_size, (1, args.context)).to(pipe.device)
+        with torch.inference_mode():
+            pipe.target(ids, cache)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(args.repeats):
+                    cache.crop(args.context)
+                    pipe.target(ids[:, :1], cache)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    if args.json:
+        print(json.dumps(r))
+    return 0
+
+
+def add_parser(sub) -> None:
+    from .cli import _common_model_args
+
+    p = sub.add_parser("profile", help="time decode, verify and draft passes; print the speedup ceiling")
+    _common_model_args(p)
+    p.add_argument("--sizes", default="2,4,8,16", help="block sizes to time")
+    p.add_argument("--context", type=int, default=128, help="tokens already in the cache")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--ops", action="store_true", help="also list the heaviest operators of a decode step")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_profile)
