@@ -97,6 +97,7 @@ def load(
         raise ValueError(f"unknown quantization {quantize!r} (choose int8)")
     tokenizer = loading.load_tokenizer(path)
     config = json.loads((path / "config.json").read_text())
+    config = config.get("text_config") or config  # multimodal checkpoints: the language model's settings
     name = model or loading.DEFAULT_MODEL_NAME
     pipe = Pipeline(
         target=target, tokenizer=tokenizer, stop_token_ids=loading.stop_token_ids(path, tokenizer),
