@@ -52,11 +52,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = _parse_ids(args.prompt_ids)
     else:
         prompt = pipe.encode(args.prompt, chat=not args.no_chat_template)
-    controller = None
-    if args.adaptive and pipe.drafter is not None and not args.no_draft:
-        from .adaptive import AdaptiveBlockSize, calibrate
+    controller = fallback = adaptive = None
+    if pipe.drafter is not None and not args.no_draft:
+        # Speculation only while it pays: drop to target-only when it measures slower. A seeded
+        # sampled run keeps a fixed schedule (the random draws depend on the block sizes).
+        if not args.no_fallback and (sampler.greedy or sampler.seed is None):
+            from .fallback import FallbackController
 
-        controller = AdaptiveBlockSize(calibrate(pipe.target, pipe.drafter), pipe.drafter.block_size)
+            controller = fallback = FallbackController()
+        if args.adaptive:
+            from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
+
+            adaptive = AdaptiveBlockSize(calibrate(pipe.target, pipe.drafter), pipe.drafter.block_size)
+            controller = adaptive if fallback is None else WithFallback(fallback, adaptive)
     stats = Stats()
     detok = Detokenizer(pipe)
     ids = []
@@ -73,6 +81,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     accept = ""
     if s.mode == "dflash":
         accept = f", acceptance length {s.acceptance_length_mean:.2f}, rate {s.acceptance_rate:.0%}"
+        if fallback is not None and fallback.fallbacks:
+            accept += f", fell back to target-only {fallback.fallbacks}x (speculation was slower)"
     print(
         f"dflash: {s.generated_tokens} tokens, {s.decode_tok_s:.1f} tok/s decode, "
         f"prefill {s.prefill_s * 1000:.0f} ms, {s.cycles} cycles, mode {s.mode}{accept}",
@@ -89,9 +99,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "acceptance_per_position": d["acceptance_per_position"], "block_size": d["block_size"],
                 "mode": d["mode"], "prompt_tokens": d["prompt_tokens"]},
         }
-        if controller is not None:
-            used = controller.history
+        if adaptive is not None:
+            used = adaptive.history
             out["stats"]["block_sizes_used"] = {str(b): used.count(b) for b in sorted(set(used))}
+        if fallback is not None:
+            out["stats"]["fallback_events"] = fallback.events
+            if fallback.fallbacks:
+                out["stats"]["mode"] = "dflash+fallback"
         print(json.dumps(out))
     return 0
 
@@ -141,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat-template", action="store_true", help="use the prompt text as is")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
+    g.add_argument("--no-fallback", action="store_true",
+                   help="keep speculating even when it measures slower than target-only (to measure a drafter)")
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
