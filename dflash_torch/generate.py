@@ -182,20 +182,23 @@ class Detokenizer:
 
     Only a short window of recent tokens is decoded per step (decoding the whole list every token
     would make long outputs quadratic); the window restarts at a token boundary once its text is out.
+    `sent` is all the text handed out so far.
     """
 
     def __init__(self, pipe: Pipeline) -> None:
-        self.pipe, self.ids, self.start, self.sent = pipe, [], 0, ""
+        self.pipe, self.ids, self.start = pipe, [], 0
+        self.window, self.sent = "", ""  # text of ids[start:] already handed out; all text handed out
 
     def add(self, token: int) -> str:
         self.ids.append(token)
         text = self.pipe.decode(self.ids[self.start:])
         if text.endswith("\ufffd"):
             return ""
-        new = text[len(self.sent):]
+        new = text[len(self.window):]
+        self.sent += new
         if len(self.ids) - self.start > 8:  # keep a few tokens of left context for spacing rules
             self.start = len(self.ids) - 4
-            self.sent = self.pipe.decode(self.ids[self.start:])
+            self.window = self.pipe.decode(self.ids[self.start:])
         else:
-            self.sent = text
+            self.window = text
         return new

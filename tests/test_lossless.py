@@ -24,6 +24,17 @@ def _run(target, prompt, n, drafter=None, bs=None, stops=(), controller=None):
     return ids, stats
 
 
+@torch.inference_mode()
+def clear_margins(target, prompt: list[int], completion: list[int], margin: float = 1e-3) -> bool:
+    """True when every greedy choice along prompt + completion wins by more than `margin` (relative).
+    On a closer call the 1-position and many-position passes may round to different winners, which
+    says nothing about the loop; such cases are skipped by the tests that compare exact tokens."""
+    cache = target.new_cache(len(prompt) + len(completion))
+    logits = target(torch.tensor([prompt + completion]), cache, logits="all").logits[0, len(prompt) - 1:]
+    top = logits.float().topk(2, dim=-1).values
+    return bool(((top[:, 0] - top[:, 1]) > margin * top[:, 0].abs().clamp_min(1.0)).all())
+
+
 @pytest.fixture(scope="module")
 def models_and_drafters(tiny_models, zlab, tmp_path_factory):
     base = tmp_path_factory.mktemp("drafters")
@@ -48,6 +59,9 @@ def test_speculative_equals_target_only_many_prompts(models_and_drafters):
             prompt = [rng.randrange(vocab - 1) for _ in range(rng.randint(1, 20))]
             n = rng.randint(1, 40)
             ref, _ = _run(target, prompt, n)
+            while not clear_margins(target, prompt, ref):
+                prompt = [rng.randrange(vocab - 1) for _ in range(rng.randint(1, 20))]
+                ref, _ = _run(target, prompt, n)
             assert len(ref) == n
             # every third prompt: make a token from the middle of the reference an EOS
             stops = (ref[len(ref) // 2],) if i % 3 == 0 else ()
@@ -103,6 +117,9 @@ def test_oracle_drafter_acceptance_stats(models_and_drafters, p, bs):
         prompt = [rng.randrange(255) for _ in range(rng.randint(2, 12))]
         n = rng.randint(10, 60)
         truth, _ = _run(target, prompt, n + 16)
+        while not clear_margins(target, prompt, truth):
+            prompt = [rng.randrange(255) for _ in range(rng.randint(2, 12))]
+            truth, _ = _run(target, prompt, n + 16)
         oracle = OracleDrafter(truth, len(prompt), target.config.vocab_size, p, bs, seed=trial)
         got, stats = _run(target, prompt, n, oracle, bs)
         assert got == truth[:n]
