@@ -36,7 +36,8 @@ def test_int8_linear_matches_dequantized_weights():
     q = Int8Linear(lin)
     x = torch.randn(5, 64)
     ref = torch.nn.functional.linear(x, q.weight, q.bias)
-    torch.testing.assert_close(q(x), ref, rtol=1e-4, atol=1e-4)
+    # the CPU kernel runs in bfloat16: agreement to bfloat16 precision
+    torch.testing.assert_close(q(x), ref, rtol=2e-2, atol=2e-2)
     assert (q.weight - lin.weight).abs().max() <= lin.weight.abs().max() / 127  # rounding error bound
 
 
