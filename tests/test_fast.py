@@ -14,7 +14,7 @@ from dflash_torch.quantize import Int8Linear, quantize_int8
 from dflash_torch.speculative import Stats, generate_tokens
 
 from .conftest import make_drafter
-from .test_lossless import OracleDrafter
+from .test_lossless import OracleDrafter, clear_margins
 
 
 def _gen(target, prompt, n, drafter=None, controller=None, bs=None):
@@ -52,12 +52,20 @@ def test_switches_keep_speculative_equal_to_target_only(pair, dtype, int8):
         assert isinstance(target.lm_head, Int8Linear)
     drafter = load_drafter(dpath, dtype=dtype)
     rng = random.Random(5)
-    for _ in range(8):
+    margin = 1e-3 if dtype == torch.float32 else 1e-2  # bfloat16 logits are coarse: near-ties are common
+    checked = 0
+    for _ in range(60):
         prompt = [rng.randrange(255) for _ in range(rng.randint(2, 10))]
-        ref, _ = _gen(target, prompt, 30)
-        truth, _ = _gen(target, prompt, 50)
-        assert _gen(target, prompt, 30, drafter)[0] == ref
-        assert _gen(target, prompt, 30, OracleDrafter(truth, len(prompt), 256, 0.2, 8))[0] == ref
+        ref, _ = _gen(target, prompt, 20)
+        truth, _ = _gen(target, prompt, 40)
+        if not clear_margins(target, prompt, ref, margin):
+            continue
+        checked += 1
+        assert _gen(target, prompt, 20, drafter)[0] == ref
+        assert _gen(target, prompt, 20, OracleDrafter(truth, len(prompt), 256, 0.2, 8))[0] == ref
+        if checked == 6:
+            break
+    assert checked == 6
 
 
 def test_adaptive_block_size_is_lossless_and_adapts(pair):
