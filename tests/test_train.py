@@ -1,0 +1,130 @@
+"""Drafter training: data -> train -> export -> reload -> lossless generation, resume, reference parity."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from dflash_torch import cli, data, loading, train
+from dflash_torch.drafter import load_drafter
+from dflash_torch.speculative import generate_tokens
+
+from .conftest import ROOT, make_hf_model
+
+REF_DIR = ROOT / ".venv" / "dflash-ref"
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """A tiny random llama target and a few replies of it with cached features."""
+    base = tmp_path_factory.mktemp("train")
+    target = make_hf_model("llama", base / "target", seed=3)
+    prompts = base / "prompts.jsonl"
+    g = torch.Generator().manual_seed(0)
+    prompts.write_text("".join(
+        json.dumps({"prompt_ids": torch.randint(3, 250, (int(n),), generator=g).tolist()}) + "\n"
+        for n in torch.randint(4, 12, (12,), generator=g)
+    ))
+    out = base / "data"
+    data.generate_dataset(out, data.jsonl_prompts(prompts), str(target), batch=4, shard_size=6,
+                          max_new_tokens=24, min_new_tokens=4)
+    return target, out
+
+
+def run_train(argv: list[str]) -> dict:
+    args = cli.build_parser().parse_args(["train", *argv])
+    return train.train(args)
+
+
+def test_data_shards(tiny_data):
+    target, out = tiny_data
+    records, feats, meta = data.load_shards(out)
+    assert len(records) >= 8
+    assert feats.dtype == torch.bfloat16
+    n = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in records)
+    assert feats.shape == (n, len(meta["taps"]) * 64)
+    # Resume: a second call finds every prompt done and writes nothing new.
+    before = sorted(p.name for p in out.iterdir())
+    (out / "shard-09999.jsonl").write_text("")  # a shard interrupted before its first batch
+    prompts = [r["prompt_ids"] for r in records]
+    data.generate_dataset(out, prompts, str(target), batch=4, shard_size=6, max_new_tokens=24, min_new_tokens=4)
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_train_export_reload_lossless(tiny_data, tmp_path):
+    target_dir, out = tiny_data
+    export = tmp_path / "drafter"
+    last = run_train(["--data", str(out), "--out", str(tmp_path / "run"), "--steps", "6", "--layers", "1",
+                      "--block-size", "8", "--seqs", "2", "--anchors", "4", "--eval-every", "3",
+                      "--eval-blocks", "8", "--export", str(export), "--export-dtype", "float32"])
+    assert "tf_accept" in last and last["step"] == 6
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert any(r.get("event") == "eval" for r in log)
+    drafter = load_drafter(export)
+    assert drafter.config["dflash_config"]["target"]["name"]
+    target = loading.load_target(target_dir, torch.device("cpu"), torch.float32)
+    drafter.check_target(json.loads((target_dir / "config.json").read_text()), target.num_layers, 256)
+    for prompt in ([5, 17, 42, 99], [7, 8, 9, 10, 11, 12, 13]):
+        plain = list(generate_tokens(target, prompt, max_new_tokens=20))
+        spec = list(generate_tokens(target, prompt, max_new_tokens=20, drafter=drafter))
+        assert spec == plain
+
+
+def test_resume_matches_uninterrupted(tiny_data, tmp_path):
+    _, out = tiny_data
+    common = ["--data", str(out), "--layers", "1", "--block-size", "8", "--seqs", "2", "--anchors", "4",
+              "--eval-every", "0", "--log-every", "1", "--save-every", "3", "--steps", "4", "--no-bf16"]
+    run_train([*common, "--out", str(tmp_path / "full")])
+    # Interrupted: the same run stopped after step 2 (checkpointed there), then resumed to step 4.
+    run_train([*common, "--out", str(tmp_path / "part"), "--stop-after", "2"])
+    ckpt = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 2 and ckpt["optim"]["state"]
+    run_train([*common, "--out", str(tmp_path / "part"), "--resume"])
+
+    def losses(run):
+        rows = [json.loads(x) for x in (tmp_path / run / "log.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    full, part = losses("full"), losses("part")
+    assert part[3] == pytest.approx(full[3], abs=1e-6) and part[4] == pytest.approx(full[4], abs=1e-6)
+    a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)
+    b = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=False)
+    assert b["step"] == a["step"] == 4
+    for k, v in a["drafter"].items():
+        torch.testing.assert_close(b["drafter"][k], v, rtol=0, atol=1e-6)
+
+
+def test_reference_implementation_parity(tiny_data, tmp_path):
+    """An exported drafter loads in the reference package (dflash 0.1.0) with the same draft logits."""
+    if not (REF_DIR / "dflash" / "model.py").is_file():
+        pytest.fail(f"the reference implementation is missing at {REF_DIR}: install it with "
+                    f"`{ROOT / '.venv/bin/python'} -m pip install --no-deps --target {REF_DIR} dflash==0.1.0` "
+                    f"(or `make install`)")
+    target_dir, out = tiny_data
+    export = tmp_path / "drafter"
+    run_train(["--data", str(out), "--out", str(tmp_path / "run"), "--steps", "2", "--layers", "2",
+               "--block-size", "8", "--seqs", "2", "--anchors", "4", "--eval-every", "0",
+               "--export", str(export), "--export-dtype", "float32"])
+    sys.path.insert(0, str(REF_DIR))
+    try:
+        from dflash.model import DFlashDraftModel
+    finally:
+        sys.path.remove(str(REF_DIR))
+    ref = DFlashDraftModel.from_pretrained(str(export), dtype=torch.float32).eval()
+    ours = load_drafter(export, dtype=torch.float32)
+    target = loading.load_target(target_dir, torch.device("cpu"), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    n_ctx, bs = 11, ours.block_size
+    ctx = torch.randn(1, n_ctx, len(ours.target_layer_ids) * 64, generator=g)
+    block = torch.full((1, bs), ours.mask_token_id)
+    block[0, 0] = 17
+    emb = target.embed_tokens(block)
+    with torch.no_grad():
+        h_ref = ref(position_ids=torch.arange(n_ctx + bs)[None], noise_embedding=emb, target_hidden=ctx)
+        h_ours = ours(emb, ctx, torch.arange(n_ctx, n_ctx + bs), torch.arange(n_ctx))
+        l_ref = ref.compute_logits(h_ref[:, 1:], target.lm_head)
+        l_ours = ours.logits(h_ours[:, 1:], target.lm_head)
+    torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-5)
