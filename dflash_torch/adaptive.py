@@ -97,7 +97,7 @@ class WithFallback:
 def calibrate(target, drafter, sizes: tuple[int, ...] | None = None, context: int = 64, repeats: int = 3) -> dict:
     """Measure draft + verify seconds per block size on a dummy context of `context` tokens."""
     device = target.embed_tokens.weight.device
-    sizes = sizes or tuple(sorted({1, 2, 4, 8, drafter.block_size} - {0}))
+    sizes = sizes or tuple(sorted({1, 2, 4, 8, drafter.block_size}))
     sizes = tuple(b for b in sizes if b <= drafter.block_size)
     vocab = target.config.vocab_size
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
