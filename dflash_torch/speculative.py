@@ -112,12 +112,12 @@ def generate_tokens(
     sampler = sampler or Sampler()
     device = target.embed_tokens.weight.device
     stops = set(stop_token_ids)
+    if block_size is not None and block_size < 1:
+        raise ValueError("block_size must be >= 1")
     if drafter is None:
         block_size = 1
     elif block_size is None or block_size > drafter.block_size:  # a drafter cannot fill more than it was built for
         block_size = drafter.block_size
-    if block_size < 1:
-        raise ValueError("block_size must be >= 1")
     speculative = block_size > 1
     stats.block_size, stats.prompt_tokens = block_size, len(prompt)
     stats.mode = "dflash" if speculative else "target-only"
