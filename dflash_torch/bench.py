@@ -463,6 +463,7 @@ def machine_info(pipe) -> dict:
         "torch": torch.__version__,
         "device": str(pipe.device),
         "dtype": str(pipe.dtype).removeprefix("torch."),
+        "quantize": getattr(pipe, "quantize", None),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "memory": "torch.cuda.max_memory_allocated" if pipe.device.type == "cuda" else "peak RSS of the process",
@@ -689,7 +690,9 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
 def _title(results: dict) -> str:
     m, s = results["machine"], results["settings"]
     mode = "greedy" if s["sampling"]["temperature"] == 0 else f"temperature {s['sampling']['temperature']}"
-    return f"{results['model']['name']} on {m['device']} ({m['dtype']}), {mode}, median of {s['repeats']} repeat(s)"
+    weights = f", {m['quantize']} weights" if m.get("quantize") else ""
+    return (f"{results['model']['name']} on {m['device']} ({m['dtype']}{weights}), {mode}, "
+            f"median of {s['repeats']} repeat(s)")
 
 
 def show_table(results: dict, to_stderr: bool = False) -> None:

@@ -18,7 +18,8 @@ def _common_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
         p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--quantize", default=None, choices=["int8"], help="weight-only int8 target (default: off)")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                   help="weight-only int8 or int4 (CPU) linear layers in the target (default: off)")
     if draft:
         p.add_argument("--adaptive", action="store_true",
                        help="pick the block size per cycle from measured costs and acceptance")

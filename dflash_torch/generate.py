@@ -36,6 +36,7 @@ class Pipeline:
     draft_path: Path | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
+    quantize: str | None = None  # "int8" / "int4": the target's linear layers are weight-only quantized
 
     @property
     def max_context(self) -> int:
@@ -83,7 +84,7 @@ def load(
 
     model: None (embedded default), a directory, a .gguf file or a hub id. draft: "auto" (the
     registered drafter for this model, if any), None (no drafter), or a directory / hub id.
-    quantize: None or "int8" (weight-only int8 linear layers in the target).
+    quantize: None, "int8" or "int4" (weight-only quantized linear layers in the target; int4: CPU only).
     """
     dev = loading.pick_device(device)
     dt = loading.pick_dtype(dtype, dev)
@@ -93,15 +94,21 @@ def load(
         from .quantize import quantize_int8
 
         quantize_int8(target)
+    elif quantize == "int4":
+        if dev.type != "cpu":
+            raise ValueError(f"--quantize int4 uses a CPU-only kernel; on {dev} use --quantize int8")
+        from .quantize import quantize_int4
+
+        quantize_int4(target)
     elif quantize is not None:
-        raise ValueError(f"unknown quantization {quantize!r} (choose int8)")
+        raise ValueError(f"unknown quantization {quantize!r} (choose int8 or int4)")
     tokenizer = loading.load_tokenizer(path)
     config = json.loads((path / "config.json").read_text())
     config = config.get("text_config") or config  # multimodal checkpoints: the language model's settings
     name = model or loading.DEFAULT_MODEL_NAME
     pipe = Pipeline(
         target=target, tokenizer=tokenizer, stop_token_ids=loading.stop_token_ids(path, tokenizer),
-        model_path=path, name=name, device=dev, dtype=dt,
+        model_path=path, name=name, device=dev, dtype=dt, quantize=quantize,
     )
     draft_spec = registry.drafter_for(name, config) if draft == "auto" else draft
     if draft == "auto" and draft_spec is None and not quiet:

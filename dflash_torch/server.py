@@ -60,7 +60,7 @@ class ServerConfig:
     max_queue: int = 64
     device: str = "auto"
     dtype: str = "auto"
-    quantize: str | None = None  # "int8": weight-only int8 target
+    quantize: str | None = None  # "int8" or "int4": weight-only quantized target
     adaptive: bool = False  # adaptive block size (inside the fallback's decision)
     fallback: bool = True  # target-only fallback when speculation is slower
     max_body_bytes: int = MAX_BODY_BYTES

@@ -256,10 +256,10 @@ def heldout_eval(target, tokenizer, stop_ids, drafter, *, per_kind: int = 8, max
 def load_data(dirs: list[str]) -> tuple[list[dict], torch.Tensor, dict]:
     """Records and features of several data directories (same target and taps), as one set; a prompt
     present in more than one directory is kept once."""
-    records, feats, meta, n, seen = [], [], None, 0, set()
+    records, files, meta, n, seen = [], [], None, 0, set()
     for d in dirs:
-        r, f, m = dataset.load_shards(d)
-        if f is None:
+        r, f, m = dataset.shard_index(d)
+        if not f:
             continue
         if meta is not None and m["taps"] != meta["taps"]:
             raise ValueError(f"{d} caches taps {m['taps']}, others {meta['taps']}")
@@ -269,11 +269,11 @@ def load_data(dirs: list[str]) -> tuple[list[dict], torch.Tensor, dict]:
             if x["key"] not in seen:
                 seen.add(x["key"])
                 records.append(x)
-        feats.append(f)
-        n += f.shape[0]
-    if not feats:
+        files += f
+        n += sum(rows for _, rows in f)
+    if not files:
         raise ValueError(f"no shard with features yet in {', '.join(dirs)}")
-    return records, torch.cat(feats), meta
+    return records, dataset.read_features(files), meta
 
 
 def lr_at(step: int, total: int, warmup: int, min_ratio: float) -> float:

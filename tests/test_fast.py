@@ -1,4 +1,4 @@
-"""Performance switches never change results: int8 weights, bfloat16, adaptive block sizes."""
+"""Performance switches never change results: int8 / int4 weights, bfloat16, adaptive block sizes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from dflash_torch import loading
 from dflash_torch.adaptive import AdaptiveBlockSize, calibrate
 from dflash_torch.drafter import load_drafter
-from dflash_torch.quantize import Int8Linear, quantize_int8
+from dflash_torch.quantize import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from dflash_torch.speculative import Stats, generate_tokens
 
 from .conftest import make_drafter
@@ -41,15 +41,40 @@ def test_int8_linear_matches_dequantized_weights():
     assert (q.weight - lin.weight).abs().max() <= lin.weight.abs().max() / 127  # rounding error bound
 
 
+def test_int4_linear_matches_dequantized_weights():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 48, bias=True)
+    q = Int4Linear(lin, group_size=32)
+    x = torch.randn(5, 128)
+    w = q.weight.float()  # [48, 128], read back through the kernel
+    ref = torch.nn.functional.linear(x.bfloat16().float(), w, q.bias)
+    torch.testing.assert_close(q(x), ref, rtol=2e-2, atol=2e-2)  # bf16 activations and outputs
+    groups = lin.weight.detach().reshape(48, 4, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15  # [48, 4] quantization step per group
+    err = (w - lin.weight).abs().reshape(48, 4, 32).amax(-1)
+    assert (err <= step / 2 + lin.weight.abs().max() / 128).all()  # half a step, plus bf16 rounding
+
+
+def test_int4_keeps_layers_the_kernel_cannot_take():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 40), torch.nn.Linear(40, 64))
+    quantize_int4(model)
+    # N must be a multiple of 16 and K of the group size (32)
+    assert [type(m).__name__ for m in model] == ["Int4Linear", "Linear", "Linear"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("int8", [False, True])
-def test_switches_keep_speculative_equal_to_target_only(pair, dtype, int8):
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_switches_keep_speculative_equal_to_target_only(pair, dtype, quant):
     """Under each switch, DFlash greedy == target-only greedy with the same switch."""
     path, dpath = pair
     target = loading.load_target(path, torch.device("cpu"), dtype)
-    if int8:
+    if quant == "int8":
         quantize_int8(target)
         assert isinstance(target.lm_head, Int8Linear)
+    if quant == "int4":
+        quantize_int4(target)
+        assert isinstance(target.lm_head, Int4Linear)
+        assert all(not isinstance(m, torch.nn.Linear) for m in target.modules())  # every layer fits the kernel
     drafter = load_drafter(dpath, dtype=dtype)
     rng = random.Random(5)
     margin = 1e-3 if dtype == torch.float32 else 1e-2  # bfloat16 logits are coarse: near-ties are common
