@@ -128,3 +128,41 @@ def test_reference_implementation_parity(tiny_data, tmp_path):
         l_ref = ref.compute_logits(h_ref[:, 1:], target.lm_head)
         l_ours = ours.logits(h_ours[:, 1:], target.lm_head)
     torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_training_blocks_equal_inference_drafts(tiny_data):
+    """The training objective scores exactly what the speculative loop drafts: the logits of a batch's
+    blocks equal `propose` at the same anchors, with the context fed to the drafter's cache in chunks
+    as the loop does (prefill, then accepted tokens per cycle)."""
+    target_dir, out = tiny_data
+    records, feats, meta = data.load_shards(out)
+    target = loading.load_target(target_dir, torch.device("cpu"), torch.float32)
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    cfg = train.drafter_config(tcfg, layers=2, taps=meta["taps"], block_size=8, mask_token_id=255, name="t")
+    drafter = train.DFlashDrafter(cfg)
+    train.init_random(drafter, target, seed=1, norm_scale=1.0)
+    drafter.eval()
+    rec = max(records, key=lambda r: len(r["response_ids"]))
+    g = torch.Generator().manual_seed(0)
+    cols = torch.arange(feats.shape[1])
+    b = train.make_batch([rec], feats, cols, g, seqs=1, anchors=6, block_size=8, mask_token_id=255)
+    with torch.no_grad():
+        logits = train.block_logits(drafter, drafter, target, b, torch.device("cpu"))  # [n, 7, V]
+    toks = rec["prompt_ids"] + rec["response_ids"]
+    f = feats[rec["start"] : rec["start"] + len(toks)].float()
+    anchors = b["q_pos"].view(-1, 8)[:, 0].tolist()
+    assert len(anchors) >= 3
+    for j, a in enumerate(anchors):
+        cache = drafter.new_cache(len(toks) + 8)
+        cut = len(rec["prompt_ids"])
+        if cut < a:  # context up to the prompt first, the rest as a later cycle's accepted tokens
+            with torch.no_grad():
+                drafter.propose(target, torch.full((1, 8), 255), f[None, :cut], cache)
+        else:
+            cut = 0
+        block = torch.full((1, 8), 255)
+        block[0, 0] = toks[a]
+        with torch.no_grad():
+            ref = drafter.propose(target, block, f[None, cut:a], cache)  # [1, 7, V]
+        labels_ok = b["labels"][j] != -100
+        torch.testing.assert_close(logits[j][labels_ok], ref[0][labels_ok], rtol=1e-4, atol=1e-4)
