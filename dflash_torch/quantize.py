@@ -101,20 +101,21 @@ def int4_fits(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> bool:
     return n % 16 == 0 and k % group_size == 0
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """Replace every nn.Linear of `model` (the LM head included, untied from the embedding) in place."""
+def _replace_linears(model: nn.Module, make) -> nn.Module:
+    """Swap each nn.Linear child for make(linear) in place; make returns None to keep a layer."""
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, child_name, Int8Linear(child))
+            if isinstance(child, nn.Linear) and (new := make(child)) is not None:
+                setattr(module, child_name, new)
     return model
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """Replace every nn.Linear of `model` (the LM head included, untied from the embedding) in place."""
+    return _replace_linears(model, Int8Linear)
 
 
 def quantize_int4(model: nn.Module, group_size: int = INT4_GROUP_SIZE) -> nn.Module:
     """Replace every nn.Linear of a CPU `model` (the LM head included, untied from the embedding) in
     place; a layer whose shape the kernel does not take stays in full precision."""
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and int4_fits(child, group_size):
-                setattr(module, child_name, Int4Linear(child, group_size))
-    return model
+    return _replace_linears(model, lambda lin: Int4Linear(lin, group_size) if int4_fits(lin, group_size) else None)
