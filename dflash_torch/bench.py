@@ -5,14 +5,18 @@ baseline and DFlash run on the same token ids one after the other in this proces
 that is not counted. Decode tok/s excludes the prefill (TTFT is reported on its own) and is pooled
 over the prompts of a repeat (tokens / seconds); the median over repeats is reported. Optional peers
 (Hugging Face `generate`, its prompt-lookup decoding, llama.cpp) run afterwards on the same ids, so
-their weights are not in memory while ours are measured.
+their weights are not in memory while ours are measured. The DFlash runs use prompt-lookup drafts too
+unless --no-lookup (`--no-draft --lookup`: prompt lookup alone in their place), and the target-only
+fallback of generate/serve with --fallback.
 
 Artifacts (--out DIR): results.json, summary.md, throughput.png, acceptance.png. results.json (`SCHEMA`):
   command, created, model {name, path, draft}, baseline_only, note, machine {cpu, cores, torch_threads, torch,
-  device, dtype, ...}, versions, settings {suites, max_tokens, repeats, ignore_eos, sampling, peers, ...}, and
+  device, dtype, ...}, versions, settings {suites, max_tokens, repeats, ignore_eos, sampling, peers, lookup,
+  fallback, adaptive, ...}, and
   runs: one per suite x length with suite, max_tokens, prompts, baseline_tok_s, dflash_tok_s, speedup,
   acceptance_length_mean, acceptance_rate, acceptance_per_position, ttft_s, peak_memory_mb, hf_tok_s,
-  hf_prompt_lookup_tok_s, llamacpp_tok_s, outputs_match, per_prompt, ... (null where not measured).
+  hf_prompt_lookup_tok_s, llamacpp_tok_s, outputs_match, lookup_passes, lookup_accepted_share, per_prompt, ...
+  (null where not measured).
 """
 
 from __future__ import annotations
@@ -222,15 +226,23 @@ def run_ours(pipe, ids: list[int], max_tokens: int, use_draft: bool, args) -> tu
 
     stats = Stats()
     sampler = Sampler(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)  # fresh: same seed each run
-    controller = None
+    controller = fallback = None
+    if use_draft and getattr(args, "fallback", False) and pipe.drafter is not None:
+        from .fallback import FallbackController
+
+        controller = fallback = FallbackController()
     if use_draft and getattr(args, "adaptive", False) and pipe.drafter is not None:
-        from .adaptive import AdaptiveBlockSize, calibrate
+        from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
 
         if getattr(args, "_costs", None) is None:  # calibrated once per bench run
             args._costs = calibrate(pipe.target, pipe.drafter)
         controller = AdaptiveBlockSize(dict(args._costs), pipe.drafter.block_size)
+        controller = controller if fallback is None else WithFallback(fallback, controller)
+    lookup = getattr(args, "lookup", None)
+    lookup = use_draft and (pipe.drafter is not None if lookup is None else lookup)
     out = list(stream(pipe, ids, max_tokens, block_size=args.block_size, use_draft=use_draft, sampler=sampler,
-                      stop_token_ids=[] if args.ignore_eos else None, stats=stats, controller=controller))
+                      stop_token_ids=[] if args.ignore_eos else None, stats=stats, controller=controller,
+                      lookup=lookup))
     return Timing(stats.generated_tokens, stats.prefill_s, stats.decode_s), stats, out
 
 
@@ -364,6 +376,8 @@ class Row:
                 drafted[k] += d
                 accepted[k] += a
         has_draft = "dflash" in self.timings
+        lookup_kept = sum(s.lookup_accepted for s in self.stats)
+        kept_all = sum(s.accepted_tokens for s in self.stats)
         d = {
             "suite": self.suite,
             "max_tokens": self.max_tokens,
@@ -378,6 +392,9 @@ class Row:
             "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)],
             "drafted_per_position": drafted,
             "verify_passes": len(lengths),
+            "lookup_passes": sum(s.lookup_cycles for s in self.stats),
+            # share of the accepted drafted tokens that came from prompt lookup (the rest: the drafter)
+            "lookup_accepted_share": _r(lookup_kept / kept_all, 4) if kept_all else None,
             "block_size": self.block_size,
             "ttft_s": _r(self.ttft("dflash" if has_draft else "baseline"), 5),
             "baseline_ttft_s": _r(self.ttft("baseline"), 5),
@@ -491,7 +508,9 @@ def command_line(args: argparse.Namespace) -> str:
     parts = ["dflash", "bench"]
     for flag, dest, is_switch in args._flags:
         value = getattr(args, dest)
-        if is_switch:
+        if is_switch and isinstance(flag, tuple):  # --x / --no-x: None (the default) prints nothing
+            parts += [] if value is None else [flag[0] if value else flag[1]]
+        elif is_switch:
             parts += [flag] if value else []
         elif isinstance(value, list):
             for v in value:
@@ -520,9 +539,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize)
     encoded = {name: [(p, encode(pipe, p)) for p in ps] for name, ps in suites.items()}
-    engines = ["baseline"] + (["dflash"] if pipe.drafter is not None else [])
+    lookup_only = pipe.drafter is None and args.lookup is True  # --no-draft --lookup: prompt lookup alone
+    engines = ["baseline"] + (["dflash"] if pipe.drafter is not None or lookup_only else [])
     note = None
-    if pipe.drafter is None:
+    if pipe.drafter is None and not lookup_only:
         note = f"no drafter for {pipe.name}: baseline (target-only) only"
         log(note)
 
@@ -559,13 +579,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": {"name": pipe.name, "path": str(pipe.model_path),
                   "draft": str(pipe.draft_path) if pipe.draft_path else None},
-        "baseline_only": pipe.drafter is None,
+        "baseline_only": engines == ["baseline"],
         "note": note,
         "machine": machine_info(pipe),
         "versions": versions(peers),
         "settings": {
             "suites": list(encoded), "max_tokens": lengths, "repeats": args.repeats, "ignore_eos": args.ignore_eos,
             "block_size": args.block_size, "limit": args.limit, "peers": peers, "peers_skipped": peer_skips,
+            "lookup": engines[-1] == "dflash" and (pipe.drafter is not None if args.lookup is None else args.lookup),
+            "fallback": args.fallback, "adaptive": args.adaptive,
             "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                          "min_p": args.min_p, "seed": args.seed},
             "peer_sampling": "greedy",
@@ -671,6 +693,8 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     peers = [k for k in PEER_FIELDS.values() if any(r.get(k) is not None for r in results["runs"])]
     header = ["Suite", "Max tokens", "Prompts", "Baseline tok/s", "DFlash tok/s", "Speedup", "Accept len",
               "Accept rate", "TTFT ms", "Peak MB"]
+    lookup = any(r.get("lookup_passes") for r in results["runs"])
+    header += ["From lookup"] if lookup else []
     header += [{"hf_tok_s": "HF tok/s", "hf_prompt_lookup_tok_s": "HF PLD tok/s",
                 "llamacpp_tok_s": "llama.cpp tok/s"}[k] for k in peers]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
@@ -683,7 +707,9 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
             fmt(None if r["acceptance_rate"] is None else 100 * r["acceptance_rate"], ".0f")
             + ("%" if r["acceptance_rate"] is not None else ""),
             fmt(None if r["ttft_s"] is None else 1000 * r["ttft_s"], ".0f"), fmt(r["peak_memory_mb"], ".0f"),
-        ] + [fmt(r[k], ".1f") for k in peers])
+        ] + ([fmt(None if r.get("lookup_accepted_share") is None else 100 * r["lookup_accepted_share"], ".0f")
+              + ("%" if r.get("lookup_accepted_share") is not None else "")] if lookup else [])
+          + [fmt(r[k], ".1f") for k in peers])
     return header, cells
 
 
@@ -867,8 +893,11 @@ def add_parser(sub) -> None:
     b.add_argument("--limit", type=int, default=None, metavar="N", help="first N prompts of each suite")
     b.add_argument("--out", default=None, metavar="DIR", help="write results.json, summary.md and PNG plots here")
     b.add_argument("--json", action="store_true", help="print the results JSON as the last line of stdout")
+    b.add_argument("--fallback", action="store_true",
+                   help="DFlash runs use the target-only fallback of generate and serve (default: off)")
     b.add_argument("--peer", action="append", default=None, metavar="hf|llamacpp",
                    help="also run a peer engine on the same prompts (repeatable or comma-separated)")
     _sampling_args(b)
-    flags = [(a.option_strings[-1], a.dest, a.nargs == 0) for a in b._actions if a.option_strings and a.dest != "help"]
+    flags = [(tuple(a.option_strings) if isinstance(a, argparse.BooleanOptionalAction) else a.option_strings[-1],
+              a.dest, a.nargs == 0) for a in b._actions if a.option_strings and a.dest != "help"]
     b.set_defaults(func=cmd_bench, _flags=flags)

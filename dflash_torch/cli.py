@@ -23,6 +23,9 @@ def _common_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     if draft:
         p.add_argument("--adaptive", action="store_true",
                        help="pick the block size per cycle from measured costs and acceptance")
+        p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
+                       help="prompt-lookup drafts beside the drafter: copy what followed an earlier occurrence "
+                            "of the last tokens (default: on whenever the drafter is used)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -70,7 +73,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     detok = Detokenizer(pipe)
     ids = []
     for tok in stream(pipe, prompt, args.max_tokens, block_size=args.block_size,
-                      use_draft=not args.no_draft, sampler=sampler, stats=stats, controller=controller):
+                      use_draft=not args.no_draft, sampler=sampler, stats=stats, controller=controller,
+                      lookup=args.lookup):
         ids.append(tok)
         if not args.json and pipe.tokenizer is not None:
             sys.stdout.write(detok.add(tok))
@@ -80,8 +84,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     s = stats
     accept = ""
-    if s.mode == "dflash":
+    if s.mode != "target-only":
         accept = f", acceptance length {s.acceptance_length_mean:.2f}, rate {s.acceptance_rate:.0%}"
+        if s.lookup_cycles:
+            accept += f", {s.lookup_accepted} drafted tokens kept from {s.lookup_cycles} lookup drafts"
         if fallback is not None and fallback.fallbacks:
             accept += f", fell back to target-only {fallback.fallbacks}x (speculation was slower)"
     print(
@@ -98,7 +104,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "stats": {k: d[k] for k in ("generated_tokens", "cycles", "acceptance_length_mean", "acceptance_rate",
                                         "prefill_s", "decode_tok_s")} | {
                 "acceptance_per_position": d["acceptance_per_position"], "block_size": d["block_size"],
-                "mode": d["mode"], "prompt_tokens": d["prompt_tokens"]},
+                "mode": d["mode"], "prompt_tokens": d["prompt_tokens"], "lookup_cycles": d["lookup_cycles"],
+                "lookup_drafted": d["lookup_drafted"], "lookup_accepted": d["lookup_accepted"]},
         }
         if adaptive is not None:
             used = adaptive.history
@@ -106,7 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if fallback is not None:
             out["stats"]["fallback_events"] = fallback.events
             if fallback.fallbacks:
-                out["stats"]["mode"] = "dflash+fallback"
+                out["stats"]["mode"] = d["mode"] + "+fallback"
         print(json.dumps(out))
     return 0
 

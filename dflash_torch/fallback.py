@@ -27,10 +27,10 @@ class FallbackController:
 
     def __init__(
         self,
-        window: int = 8,
+        window: int = 4,
         measure_steps: int = 4,
-        probe_after: int = 32,
-        max_probe_after: int = 512,
+        probe_after: int = 64,
+        max_probe_after: int = 2048,
         margin: float = 0.05,
         target_s_per_token: float | None = None,
     ) -> None:

@@ -141,15 +141,19 @@ def stream(
     stop_token_ids: list[int] | None = None,
     stats: Stats | None = None,
     controller=None,
+    lookup: bool | None = None,
 ) -> Iterator[int]:
     """Yield completion token ids as they are committed (see `generate` for the arguments;
-    `controller` picks the block size per cycle, see `speculative.generate_tokens`)."""
+    `controller` picks the block size per cycle, see `speculative.generate_tokens`; `lookup`:
+    prompt-lookup drafts too, default on whenever the drafter is used)."""
     check_lengths(pipe, prompt_ids, max_tokens)
     stops = pipe.stop_token_ids if stop_token_ids is None else stop_token_ids
+    if lookup is None:
+        lookup = use_draft and pipe.drafter is not None
     yield from generate_tokens(
         pipe.target, prompt_ids, max_new_tokens=max_tokens,
         drafter=pipe.drafter if use_draft else None, block_size=block_size,
-        stop_token_ids=stops, sampler=sampler, stats=stats, controller=controller,
+        stop_token_ids=stops, sampler=sampler, stats=stats, controller=controller, lookup=lookup,
     )
 
 
@@ -176,7 +180,7 @@ def generate(
     max_tokens: int = 256,
     **kwargs,
 ) -> Result:
-    """Generate a completion. kwargs: block_size, use_draft, sampler, stop_token_ids."""
+    """Generate a completion. kwargs: block_size, use_draft, sampler, stop_token_ids, controller, lookup."""
     stats = Stats()
     ids = list(stream(pipe, prompt_ids, max_tokens, stats=stats, **kwargs))
     stops = pipe.stop_token_ids if kwargs.get("stop_token_ids") is None else kwargs["stop_token_ids"]

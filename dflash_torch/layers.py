@@ -59,6 +59,19 @@ def attention_mask(
     return visible
 
 
+def attend_each_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Causal attention of queries at positions start.. start + Tq - 1, one query at a time over
+    exactly the keys a decode step at that position sees (shapes as `attend`, no mask).
+
+    Bit-identical to Tq decode steps, where one fused Tq-query call rounds differently (~1e-7). With
+    quantized weights, whose kernels give each row the same result whatever the number of rows, this
+    makes a verify pass reproduce decode steps exactly; that matters there because the activations are
+    rounded to bfloat16, which turns 1e-7 differences into flipped near-tie tokens."""
+    outs = [attend(q[:, :, i : i + 1], k[:, :, : start + i + 1], v[:, :, : start + i + 1], None, scale)
+            for i in range(q.shape[2])]
+    return torch.cat(outs, dim=1)  # [B, Tq, H * Dv]
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
     softcap: float | None = None,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .cache import KVCache
-from .layers import MLP, RMSNorm, attend, attention_mask
+from .layers import MLP, RMSNorm, attend, attend_each_query, attention_mask
 from .rope import Rotary, apply_rotary, rope_parameters
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -62,6 +62,8 @@ class LlamaConfig:
         )
 
 
+EXACT_VERIFY_MAX_T = 32  # verify blocks are at most a drafter's block (16)
+
 class Attention(nn.Module):
     def __init__(self, c: LlamaConfig, layer: int) -> None:
         super().__init__()
@@ -78,6 +80,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.qk_norm = c.qk_norm
         self.scale = self.head_dim**-0.5
+        # Set by quantize.py: verify passes attend one query at a time, as decode does (see
+        # layers.attend_each_query). Only up to EXACT_VERIFY_MAX_T queries (a prefill is shared by
+        # every mode and stays fused), and not with a sliding window (decode masks there).
+        self.exact_verify = False
+        self.no_window = c.sliding_window is None
 
     def forward(self, x, cos, sin, cache: KVCache, start: int, mask):
         b, t, _ = x.shape
@@ -89,6 +96,8 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
         k, v = cache.write(self.layer, start, k, v.transpose(1, 2))  # [B, Hkv, start + T, D]
+        if self.exact_verify and 1 < t <= EXACT_VERIFY_MAX_T and self.no_window:
+            return self.o_proj(attend_each_query(q, k, v, start, self.scale))
         return self.o_proj(attend(q, k, v, mask, self.scale))
 
 

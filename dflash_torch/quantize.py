@@ -110,12 +110,24 @@ def _replace_linears(model: nn.Module, make) -> nn.Module:
     return model
 
 
+def exact_verify(model: nn.Module) -> nn.Module:
+    """Make verify passes reproduce decode steps bit for bit: attention one query at a time (the
+    quantized linear kernels already give each row the same result for any number of rows). Without
+    it, bfloat16 activations amplify the fused attention's rounding differences into different
+    near-tie tokens between speculative and target-only decoding."""
+    for m in model.modules():
+        if hasattr(m, "exact_verify"):
+            m.exact_verify = True
+    return model
+
+
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Replace every nn.Linear of `model` (the LM head included, untied from the embedding) in place."""
-    return _replace_linears(model, Int8Linear)
+    return exact_verify(_replace_linears(model, Int8Linear))
 
 
 def quantize_int4(model: nn.Module, group_size: int = INT4_GROUP_SIZE) -> nn.Module:
     """Replace every nn.Linear of a CPU `model` (the LM head included, untied from the embedding) in
     place; a layer whose shape the kernel does not take stays in full precision."""
-    return _replace_linears(model, lambda lin: Int4Linear(lin, group_size) if int4_fits(lin, group_size) else None)
+    return exact_verify(
+        _replace_linears(model, lambda lin: Int4Linear(lin, group_size) if int4_fits(lin, group_size) else None))

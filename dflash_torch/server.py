@@ -63,6 +63,7 @@ class ServerConfig:
     quantize: str | None = None  # "int8" or "int4": weight-only quantized target
     adaptive: bool = False  # adaptive block size (inside the fallback's decision)
     fallback: bool = True  # target-only fallback when speculation is slower
+    lookup: bool | None = None  # prompt-lookup drafts beside the drafter (None: on whenever the drafter is)
     max_body_bytes: int = MAX_BODY_BYTES
     recent: int = 32  # finished requests kept for /metrics?format=json
 
@@ -269,11 +270,12 @@ class Job:
 
     @property
     def mode(self) -> str:
-        """fastpath, dflash, dflash+fallback (fell back at least once) or target-only (no drafter)."""
+        """fastpath, dflash, dflash+lookup, lookup (prompt lookup without a drafter), with
+        "+fallback" when it fell back to target-only at least once, or target-only."""
         if self.fastpath:
             return "fastpath"
-        if self.stats.mode == "dflash":
-            return "dflash+fallback" if self.controller and self.controller.fallbacks else "dflash"
+        if self.stats.mode != "target-only":
+            return self.stats.mode + ("+fallback" if self.controller and self.controller.fallbacks else "")
         return "target-only"
 
     def summary(self) -> dict:
@@ -290,6 +292,7 @@ class Job:
             "ttft_s": round(self.first_token - self.created, 4) if self.first_token else None,
             "elapsed_s": round(now - self.created, 4),
             "fallback_events": list(self.controller.events) if self.controller else [],
+            "lookup_cycles": s.lookup_cycles, "lookup_accepted": s.lookup_accepted,
         }
 
 
@@ -429,6 +432,7 @@ class Engine:
             pipe.target, job.prompt_ids, max_new_tokens=job.max_tokens, drafter=pipe.drafter if use_draft else None,
             block_size=self.config.block_size, stop_token_ids=pipe.stop_token_ids, sampler=job.sampler,
             stats=job.stats, controller=job.controller,
+            lookup=not job.fastpath and (use_draft if self.config.lookup is None else self.config.lookup),
         )
         try:
             for token in gen:
@@ -471,7 +475,7 @@ class Engine:
                 "finish_reason": finish, "prompt_tokens": len(job.prompt_ids),
                 "completion_tokens": job.completion_tokens})
         accept = ""
-        if job.stats.mode == "dflash":
+        if job.stats.mode != "target-only":
             accept = f", acceptance {row['acceptance_rate']:.0%} (mean length {row['acceptance_length_mean']:.2f})"
         fallbacks = job.controller.fallbacks if job.controller else 0
         log.info(
@@ -508,6 +512,10 @@ class Metrics:
         self.accepted = Counter("dflash_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
         self.accepted_per_pos = Counter("dflash_spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each block position", ["position"], registry=r)
+        self.lookup_drafts = Counter("dflash_lookup_num_drafts", "Verify passes whose draft came from prompt lookup",
+                                     registry=r)
+        self.lookup_accepted = Counter("dflash_lookup_num_accepted_tokens", "Prompt-lookup draft tokens accepted",
+                                       registry=r)
         self.fallback_events = Counter("dflash_fallback_events", "Target-only fallback controller events",
                                        ["event"], registry=r)
 
@@ -537,7 +545,9 @@ class Metrics:
         s, seen = job.stats, job.seen
         drafts = s.drafted_per_position[0] if s.drafted_per_position else 0
         for key, counter, value in (("drafts", self.drafts, drafts), ("draft", self.draft_tokens, s.drafted_tokens),
-                                    ("accepted", self.accepted, s.accepted_tokens)):
+                                    ("accepted", self.accepted, s.accepted_tokens),
+                                    ("lookup", self.lookup_drafts, s.lookup_cycles),
+                                    ("lookup_accepted", self.lookup_accepted, s.lookup_accepted)):
             if value > seen.get(key, 0):
                 counter.inc(value - seen.get(key, 0))
                 seen[key] = value
@@ -881,6 +891,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         fastpath_max_tokens=args.fastpath_max_tokens, api_key=args.api_key, max_tokens=args.max_tokens,
         block_size=args.block_size, max_queue=args.max_queue, device=args.device, dtype=args.dtype,
         quantize=getattr(args, "quantize", None), adaptive=getattr(args, "adaptive", False),
+        lookup=getattr(args, "lookup", None),
     )
     failed: list[BaseException] = []
 

@@ -4,6 +4,11 @@ Each cycle: the drafter proposes a block in one pass, the target verifies it in 
 the longest prefix that equals the target's own choice is kept plus one bonus token from the target,
 and both caches roll back to what was committed. Every emitted token is the target's, so greedy
 output is exactly the target's greedy output.
+
+A cycle's draft may instead come from prompt lookup (`lookup.py`: copy what followed an earlier
+occurrence of the last few tokens), which costs no forward pass; it is taken while it is expected
+to keep more tokens than the drafter, and when the drafter is switched off for the cycle (the
+controller chose a plain step). The target verifies it the same way.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .lookup import PromptLookup
 from .sampling import Sampler
 
 
@@ -34,6 +40,9 @@ class Stats:
     decode_s: float = 0.0
     block_size: int = 1
     mode: str = "target-only"
+    lookup_cycles: int = 0  # verify passes whose draft came from prompt lookup
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
 
     @property
     def acceptance_length_mean(self) -> float:
@@ -80,6 +89,9 @@ class Stats:
             "decode_tok_s": round(self.decode_tok_s, 2),
             "block_size": self.block_size,
             "mode": self.mode,
+            "lookup_cycles": self.lookup_cycles,
+            "lookup_drafted": self.lookup_drafted,
+            "lookup_accepted": self.lookup_accepted,
         }
 
 
@@ -100,13 +112,15 @@ def generate_tokens(
     sampler: Sampler | None = None,
     stats: Stats | None = None,
     controller=None,
+    lookup: bool = False,
 ) -> Iterator[int]:
     """Yield the target's tokens one by one as they are decided; stop after a stop token or
     `max_new_tokens`. With a drafter, decide them by speculative decoding; `stats` is filled in.
 
-    `controller` (optional) picks the block size of each cycle: `controller.block_size(stats)` before
-    a cycle (1 = a plain target step, which still feeds the drafter's context so speculation can
-    resume), `controller.observe(block_size, committed, seconds)` after it. Output does not depend on it.
+    `controller` (optional) picks the block size of each drafter cycle: `controller.block_size(stats)`
+    before it (1 = a plain target step, which still feeds the drafter's context so speculation can
+    resume), `controller.observe(block_size, committed, seconds)` after it. `lookup`: also propose
+    drafts by prompt lookup (`lookup.PromptLookup`), with or without a drafter. Output depends on neither.
     """
     stats = stats if stats is not None else Stats()
     sampler = sampler or Sampler()
@@ -114,13 +128,17 @@ def generate_tokens(
     stops = set(stop_token_ids)
     if block_size is not None and block_size < 1:
         raise ValueError("block_size must be >= 1")
+    # lookup drafts fill at most the block size too (given, else the drafter's, else 16)
+    lookup_width = (block_size or (drafter.block_size if drafter is not None else 16)) - 1
     if drafter is None:
         block_size = 1
     elif block_size is None or block_size > drafter.block_size:  # a drafter cannot fill more than it was built for
         block_size = drafter.block_size
     speculative = block_size > 1
+    lookup = lookup and lookup_width > 0
     stats.block_size, stats.prompt_tokens = block_size, len(prompt)
-    stats.mode = "dflash" if speculative else "target-only"
+    stats.mode = ("dflash" if speculative else "target-only") if not lookup else (
+        "dflash+lookup" if speculative else "lookup")
     if max_new_tokens < 1:
         return
     n = len(prompt)
@@ -133,12 +151,12 @@ def generate_tokens(
     _sync(device)
     stats.prefill_s = time.perf_counter() - t0
     stats.generated_tokens = 1
-    stats.cycles = 0 if speculative else 1
+    stats.cycles = 0 if speculative or lookup else 1
     t0 = time.perf_counter()
     yield token
     if token in stops or max_new_tokens == 1:
         return
-    if not speculative:
+    if not speculative and not lookup:
         while True:
             out = target(torch.tensor([[token]], device=device), cache, logits="last")
             token = sampler.sample(out.logits[0])[0].item()
@@ -149,18 +167,35 @@ def generate_tokens(
             if token in stops or stats.generated_tokens >= max_new_tokens:
                 return
 
-    draft_cache = drafter.new_cache(n + max_new_tokens + block_size)
-    ctx = out.hidden  # [1, n, n_taps * H]: tap features not yet given to the drafter
+    if speculative:
+        draft_cache = drafter.new_cache(n + max_new_tokens + block_size)
+        ctx = out.hidden  # [1, n, n_taps * H]: tap features not yet given to the drafter
+    finder = PromptLookup([*prompt, token], max_draft=lookup_width) if lookup else None
+    dflash_mean = 0.0  # running mean of drafted tokens kept per drafter cycle
     while True:
         remaining = max_new_tokens - stats.generated_tokens
-        want = block_size if controller is None else max(1, min(controller.block_size(stats), block_size))
-        bs = min(want, remaining)  # a block of bs positions commits at most bs tokens
         t_cycle = time.perf_counter()
         pos = cache.length  # position of `token`, committed but not yet run through the target
-        block = torch.full((1, bs), drafter.mask_token_id, dtype=torch.long, device=device)
+        # Which proposer: a lookup match while it keeps more than the drafter does, else the drafter
+        # at the controller's width (1 = a plain target step, where a lookup match is used instead).
+        match = finder.match(remaining - 1) if finder is not None else []
+        found = match[: finder.draft_length(len(match))] if match else []
+        use_lookup = bool(found) and (not speculative or finder.expected_tokens(len(found) + 1) - 1 >= dflash_mean)
+        bs = len(found) + 1 if use_lookup else 1
+        if speculative and not use_lookup:
+            want = block_size if controller is None else max(1, min(controller.block_size(stats), block_size))
+            bs = min(want, remaining)  # a block of bs positions commits at most bs tokens
+            if bs == 1 and found:
+                use_lookup, bs = True, len(found) + 1
+        block = torch.full((1, bs), drafter.mask_token_id if speculative else 0, dtype=torch.long, device=device)
         block[0, 0] = token
         draft_probs = None
-        if bs > 1:
+        if use_lookup:
+            block[0, 1:] = torch.tensor(found, device=device)
+            if not sampler.greedy:  # a fixed proposal is a one-hot q: rejection sampling stays exact
+                draft_probs = torch.zeros(bs - 1, target.config.vocab_size, device=device)
+                draft_probs[torch.arange(bs - 1), block[0, 1:]] = 1.0
+        elif bs > 1:
             draft_logits = drafter.propose(target, block, ctx, draft_cache)  # [1, bs - 1, V]
             block[0, 1:], draft_probs = sampler.draft(draft_logits[0])
             ctx = ctx[:, :0]  # the drafter's cache holds it now
@@ -173,15 +208,38 @@ def generate_tokens(
                 new = new[: i + 1]
                 break
         cache.crop(pos + len(new))  # keep token + the accepted drafts; the last new token is not in yet
-        ctx = torch.cat([ctx, out.hidden[:, : len(new)]], dim=1)
+        if speculative:
+            ctx = torch.cat([ctx, out.hidden[:, : len(new)]], dim=1)
         stats.record_cycle(bs - 1, accepted, len(new))
         stats.generated_tokens += len(new)
         now = time.perf_counter()
         stats.decode_s = now - t0
-        if controller is not None:
-            controller.observe(bs, len(new), now - t_cycle)
+        if use_lookup:
+            finder.observe(bs - 1, accepted)
+            stats.lookup_cycles += 1
+            stats.lookup_drafted += bs - 1
+            stats.lookup_accepted += accepted
+        else:
+            if match:  # what the unused match would have kept, as far as the new tokens tell
+                kept = _common_prefix(match, new)
+                finder.observe(min(len(match), len(new), kept + 1), kept)
+            if bs > 1:
+                dflash_mean = 0.7 * dflash_mean + 0.3 * accepted
+            if controller is not None:
+                controller.observe(bs, len(new), now - t_cycle)
+        if finder is not None and (use_lookup or bs == 1):  # verify-only cycles: no draft time in them
+            finder.observe_cost(bs, now - t_cycle)
+        if finder is not None:
+            finder.extend(new)
         for t in new:
             yield t
         token = new[-1]
         if token in stops or stats.generated_tokens >= max_new_tokens:
             return
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    k = 0
+    while k < len(a) and k < len(b) and a[k] == b[k]:
+        k += 1
+    return k

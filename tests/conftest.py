@@ -81,3 +81,22 @@ def zlab() -> Path:
     if not ZLAB.is_dir():
         pytest.fail(f"fixture directory {ZLAB} is missing (set DFLASH_SHARED to the shared/ folder)")
     return ZLAB
+
+
+SMALL_VOCAB = 5
+
+
+@pytest.fixture(scope="session")
+def small_vocab(tmp_path_factory):
+    """(target, drafter) over a 5-token vocabulary, for exact distribution tests."""
+    from dflash_torch import loading
+    from dflash_torch.drafter import load_drafter
+
+    base = tmp_path_factory.mktemp("sv")
+    path = make_hf_model("llama", base / "t", seed=7, vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1)
+    target = loading.load_target(path, torch.device("cpu"), torch.float32)
+    with torch.no_grad():  # back to moderate logits, so sampling is spread over the vocab
+        target.lm_head.weight.mul_(0.1)
+    drafter = load_drafter(make_drafter(path, base / "d", block_size=4, seed=3))
+    return target, drafter

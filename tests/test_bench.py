@@ -225,3 +225,25 @@ def test_llamacpp_peer_with_a_fake_binding(monkeypatch, tmp_path):
     assert bench.llamacpp_gguf(str(gguf)) == (gguf, None)
     path, why = bench.llamacpp_gguf(str(tmp_path))
     assert path is None and "GGUF" in why
+
+
+def test_bench_lookup_switches(zlab, tmp_path, capsys):
+    """--no-draft --lookup benches prompt lookup alone; --no-lookup --fallback the drafter alone with the
+    fallback; both are recorded in the command and settings, and outputs still match."""
+    prompts = tmp_path / "rep.jsonl"
+    prompts.write_text(json.dumps({"id": "rep", "prompt_ids": [11, 12, 13, 14] * 6}) + "\n")
+    common = ["bench", "--model", str(zlab / "target"), "--prompts", str(prompts), "--max-tokens", "24",
+              "--repeats", "1", "--ignore-eos", "--json"]
+    rc, data, err = run_cli(capsys, common + ["--no-draft", "--lookup"])
+    assert rc == 0, err
+    assert data["baseline_only"] is False and data["settings"]["lookup"] is True
+    assert "--lookup" in data["command"].split() and "--no-lookup" not in data["command"]
+    (r,) = data["runs"]
+    assert r["dflash_tok_s"] > 0 and r["outputs_match"] is True and r["lookup_passes"] > 0
+    assert r["lookup_accepted_share"] == 1.0  # no drafter: every kept draft token came from lookup
+    rc, data, err = run_cli(capsys, common + ["--draft", str(zlab / "draft"), "--no-lookup", "--fallback"])
+    assert rc == 0, err
+    assert data["settings"]["lookup"] is False and data["settings"]["fallback"] is True
+    assert "--no-lookup" in data["command"].split() and "--fallback" in data["command"].split()
+    (r,) = data["runs"]
+    assert r["lookup_passes"] == 0 and r["outputs_match"] is True

@@ -157,7 +157,7 @@ def test_zlab_generate_cli_matches_expected(zlab, capsys, use_draft):
         s = out["stats"]
         assert s["generated_tokens"] == 48
         if use_draft:
-            assert s["mode"] in ("dflash", "dflash+fallback") and 1 <= s["cycles"] <= 47
+            assert s["mode"] in ("dflash+lookup", "dflash+lookup+fallback") and 1 <= s["cycles"] <= 47
             assert s["acceptance_length_mean"] == pytest.approx(47 / s["cycles"], abs=1e-3)
         else:
             assert s["mode"] == "target-only" and s["cycles"] == 48

@@ -123,3 +123,36 @@ def test_calibrate_measures_each_block_size(pair):
     target = loading.load_target(path, torch.device("cpu"), torch.float32)
     costs = calibrate(target, load_drafter(dpath), context=16, repeats=1)
     assert sorted(costs) == [1, 2, 4, 8] and all(t > 0 for t in costs.values())
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_verify_reproduces_decode_bit_for_bit(tiny_models, pair, quant):
+    """With quantized weights a T-token verify gives exactly the logits of T decode steps, so
+    speculative output equals target-only output with no near-tie exception (no margin filter here)."""
+    target = loading.load_target(tiny_models["llama"], torch.device("cpu"), torch.float32)
+    (quantize_int8 if quant == "int8" else quantize_int4)(target)
+    rng = random.Random(3)
+    with torch.inference_mode():
+        for _ in range(5):
+            prompt = [rng.randrange(255) for _ in range(rng.randint(2, 30))]
+            block = [rng.randrange(255) for _ in range(16)]
+            c1 = target.new_cache(64)
+            target(torch.tensor([prompt]), c1, logits="last")
+            steps = torch.cat([target(torch.tensor([[t]]), c1, logits="all").logits[0] for t in block])
+            c2 = target.new_cache(64)
+            target(torch.tensor([prompt]), c2, logits="last")
+            verify = target(torch.tensor([block]), c2, logits="all").logits[0]
+            assert torch.equal(steps, verify)
+            assert torch.equal(c1.k[:, :, :, : c1.length], c2.k[:, :, :, : c2.length])
+    path, dpath = pair
+    target = loading.load_target(path, torch.device("cpu"), torch.float32)
+    (quantize_int8 if quant == "int8" else quantize_int4)(target)
+    drafter = load_drafter(dpath)
+    for _ in range(8):
+        unit = [rng.randrange(255) for _ in range(rng.randint(1, 5))]
+        prompt = (unit * 10)[: rng.randint(2, 24)]
+        ref, _ = _gen(target, prompt, 48)
+        assert _gen(target, prompt, 48, drafter)[0] == ref
+        out, stats = [], Stats()
+        out = list(generate_tokens(target, prompt, max_new_tokens=48, drafter=drafter, stats=stats, lookup=True))
+        assert out == ref

@@ -9,26 +9,12 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from dflash_torch import loading
-from dflash_torch.drafter import load_drafter
 from dflash_torch.sampling import Sampler
 from dflash_torch.speculative import Stats, generate_tokens
 
-from .conftest import make_drafter, make_hf_model
+from .conftest import SMALL_VOCAB
 
-VOCAB, K = 5, 4  # joint over the first 4 tokens: 625 cells; tokens 2-3 are drafted, 4 is the bonus
-
-
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    base = tmp_path_factory.mktemp("sv")
-    path = make_hf_model("llama", base / "t", seed=7, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1)
-    target = loading.load_target(path, torch.device("cpu"), torch.float32)
-    with torch.no_grad():  # back to moderate logits, so sampling is spread over the vocab
-        target.lm_head.weight.mul_(0.1)
-    drafter = load_drafter(make_drafter(path, base / "d", block_size=4, seed=3))
-    return target, drafter
+VOCAB, K = SMALL_VOCAB, 4  # joint over the first 4 tokens: 625 cells; tokens 2-3 are drafted, 4 is the bonus
 
 
 @torch.inference_mode()

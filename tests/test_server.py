@@ -451,7 +451,7 @@ def test_live_metrics_while_a_long_request_runs(pipe):
                      "dflash_time_to_first_token_seconds_count", "dflash_decode_tokens_per_second_count"):
             assert any(ln.startswith(name + " ") and float(ln.split()[-1]) > 0 for ln in final.splitlines()), name
         row = httpx.get(base + "/metrics.json").json()["recent"][-1]
-        assert row["mode"] == "dflash" and row["acceptance_length_mean"] > 2 and row["decode_tok_s"] > 0
+        assert row["mode"] == "dflash+lookup" and row["acceptance_length_mean"] > 2 and row["decode_tok_s"] > 0
 
 
 def test_acceptance_collapse_falls_back_to_target_only(pipe):
@@ -459,11 +459,11 @@ def test_acceptance_collapse_falls_back_to_target_only(pipe):
     want = generate(pipe, ids, 80, use_draft=False)
     assert 0 not in want.token_ids  # so a drafter proposing token 0 ([UNK]) is always wrong
     wrong = dataclasses.replace(pipe, drafter=ScriptedDrafter(pipe.drafter, wrong=0, delay=0.004))
-    with serve(wrong) as base:
+    with serve(wrong, lookup=False) as base:  # the drafter alone: prompt lookup would keep tokens
         r = client(base).chat.completions.create(model="t", messages=MSGS, max_tokens=80)
         assert r.choices[0].message.content == want.text
         row = metrics_json(base)["recent"][-1]
-        assert row["mode"] == "dflash+fallback" and row["acceptance_rate"] == 0
+        assert row["mode"] == "dflash+fallback" and row["acceptance_rate"] == 0 and row["lookup_cycles"] == 0
         assert row["fallback_events"][0]["event"] == "fallback"
         assert 'dflash_fallback_events_total{event="fallback"}' in httpx.get(base + "/metrics").text
 

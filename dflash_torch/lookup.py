@@ -1,0 +1,103 @@
+"""Prompt lookup: a second, free proposer beside the drafter.
+
+Models repeat themselves: code echoes the prompt's identifiers, lists repeat their scaffolding, and
+a small model at length falls into loops. When the last n committed tokens occurred earlier in the
+context, the tokens that followed that occurrence are a draft that costs no forward pass. The
+speculative loop verifies it exactly like a drafter's block, so output is unchanged.
+
+The draft width is chosen like the adaptive block size: from the running acceptance per draft
+position and the measured seconds of a verify pass per width, the width with the most expected
+tokens per second (width 1 = no draft). On a CPU a wide verify costs several decode steps and
+some widths cost more than wider ones (matmul kernels tile rows), so the costs are measured, not
+assumed; a wrong guess then costs a narrow verify while a loop is copied at full width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class PromptLookup:
+    """An n-gram index over the committed tokens, proposing continuations of the longest match.
+
+    min_n / max_n: n-gram lengths tried, longest first. max_draft: most tokens per draft.
+    decay: weight kept by old acceptance counts and costs per observation.
+    """
+
+    def __init__(self, tokens: Iterable[int] = (), *, min_n: int = 2, max_n: int = 8, max_draft: int = 15,
+                 decay: float = 0.8) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError("need 1 <= min_n <= max_n")
+        if max_draft < 1:
+            raise ValueError("max_draft must be >= 1")
+        self.min_n, self.max_n, self.max_draft, self.decay = min_n, max_n, max_draft, decay
+        self.tokens: list[int] = []
+        # index[n][ngram] = where the continuation of that n-gram's latest occurrence starts
+        self.index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self.accepted = [0.0] * max_draft  # [k]: decayed count of drafts whose first k + 1 tokens were kept
+        self.checked = [0.0] * max_draft
+        self.costs: dict[int, float] = {}  # verify width -> seconds per cycle (moving average)
+        self.extend(tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append committed tokens to the index."""
+        for tok in tokens:
+            self.tokens.append(tok)
+            j = len(self.tokens) - 1  # the n-gram ending just before j is now followed by tok
+            for n in range(self.min_n, min(self.max_n, j) + 1):
+                self.index[n][tuple(self.tokens[j - n : j])] = j
+
+    def match(self, limit: int) -> list[int]:
+        """Up to `limit` tokens continuing the longest matched n-gram; [] when the context's tail
+        occurred nowhere before."""
+        toks = self.tokens
+        k = min(limit, self.max_draft)
+        for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
+            start = self.index[n].get(tuple(toks[-n:]))
+            if start is None or k < 1:
+                continue
+            draft: list[int] = []
+            for i in range(k):
+                j = start + i
+                # past the end of the context the copy continues from itself: a loop of period
+                # len(toks) - start is proposed in full
+                draft.append(toks[j] if j < len(toks) else draft[j - len(toks)])
+            return draft
+        return []
+
+    def expected_tokens(self, width: int) -> float:
+        """Expected committed tokens of a verify pass of `width` positions with a lookup draft."""
+        total = 1.0
+        for k in range(width - 1):
+            # optimistic prior (0.5) for positions never checked yet, so they get tried
+            total += self.accepted[k] / self.checked[k] if self.checked[k] > 0.5 else 0.5
+        return total
+
+    def cost(self, width: int) -> float:
+        """Seconds of a verify pass of `width` positions: measured, else the nearest measured width
+        (ties to the narrower), so an untried width is tried once and then known."""
+        if width in self.costs:
+            return self.costs[width]
+        if not self.costs:
+            return 1.0
+        return self.costs[min(self.costs, key=lambda w: (abs(w - width), w))]
+
+    def draft_length(self, available: int) -> int:
+        """How many of `available` matched tokens to draft: the verify width with the most expected
+        tokens per second, less one (0 when no draft beats a plain step)."""
+        return max(range(1, available + 2), key=lambda w: self.expected_tokens(w) / self.cost(w)) - 1
+
+    def observe(self, checked: int, kept: int) -> None:
+        """A draft whose first `checked` tokens were compared with the target's and whose first
+        `kept` of them matched (also for a draft that was not used, as far as the new tokens tell)."""
+        for k in range(self.max_draft):
+            self.accepted[k] *= self.decay
+            self.checked[k] *= self.decay
+        for k in range(min(checked, self.max_draft)):
+            self.checked[k] += 1
+            self.accepted[k] += k < kept
+
+    def observe_cost(self, width: int, seconds: float) -> None:
+        """Seconds of one verify pass of `width` positions (plain steps are width 1)."""
+        old = self.costs.get(width)
+        self.costs[width] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds

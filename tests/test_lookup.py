@@ -1,0 +1,131 @@
+"""Prompt lookup: its index and draft width, and that drafts from it never change output."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash_torch import loading
+from dflash_torch.drafter import load_drafter
+from dflash_torch.lookup import PromptLookup
+from dflash_torch.sampling import Sampler
+from dflash_torch.speculative import Stats, generate_tokens
+
+from .conftest import make_drafter
+from .test_lossless import clear_margins
+from .test_sampling import K, _chi2_pvalue, _exact_joint
+
+
+def test_match_copies_the_continuation_of_the_longest_ngram():
+    lk = PromptLookup([5, 6, 7, 8, 1, 2, 6, 7, 9, 3, 5, 6, 7], min_n=2, max_n=4)
+    # tail "5 6 7" occurred at the start (followed by 8 1 2); "6 7" alone last occurred before 9
+    assert lk.match(3) == [8, 1, 2]
+    lk.extend([4])
+    assert lk.match(5) == []  # "7 4" never occurred
+
+
+def test_match_extends_a_loop_past_the_end():
+    lk = PromptLookup([1, 2, 3, 1, 2, 3, 1, 2])
+    assert lk.match(7) == [3, 1, 2, 3, 1, 2, 3]
+    assert lk.match(100) == [3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]  # max_draft (15)
+
+
+def test_draft_length_follows_acceptance_and_cost():
+    lk = PromptLookup([1, 2, 3, 1, 2])
+    lk.observe_cost(1, 1.0)
+    for w in range(2, 17):
+        lk.observe_cost(w, 1.0 + 0.2 * (w - 1))  # each drafted position costs a fifth of a step
+    for _ in range(30):  # loops: every drafted token kept
+        lk.observe(15, 15)
+    assert lk.draft_length(15) == 15
+    for _ in range(30):  # now every first token is wrong
+        lk.observe(15, 0)
+    assert lk.draft_length(15) == 0  # a plain step beats any draft
+    assert PromptLookup([1, 2]).match(4) == []
+
+
+def test_draft_length_skips_a_width_that_measures_slow():
+    lk = PromptLookup([1, 2, 3])
+    for w, t in {1: 1.0, 2: 2.5, 3: 3.5, 4: 1.5, 5: 1.2}.items():  # odd widths slow, as CPU kernels can be
+        lk.observe_cost(w, t)
+    for _ in range(30):
+        lk.observe(4, 4)
+    assert lk.draft_length(4) == 4
+    assert lk.draft_length(2) == 0  # widths 2-3 cost more than the 2-3 tokens they can give
+
+
+@pytest.fixture(scope="module")
+def llama_and_drafter(tiny_models, tmp_path_factory):
+    path = tiny_models["llama"]
+    target = loading.load_target(path, torch.device("cpu"), torch.float32)
+    drafter = load_drafter(make_drafter(path, tmp_path_factory.mktemp("lk") / "d", block_size=16))
+    return target, drafter
+
+
+def _run(target, prompt, n, **kw):
+    stats = Stats()
+    return list(generate_tokens(target, prompt, max_new_tokens=n, stats=stats, **kw)), stats
+
+
+def test_lookup_greedy_equals_target_only(llama_and_drafter):
+    """Repetitive and random prompts, with and without the drafter, several block sizes, stops mid-block:
+    output equals target-only output, and lookup drafts were actually taken and kept."""
+    target, drafter = llama_and_drafter
+    vocab = target.config.vocab_size
+    rng = random.Random(1)
+    lookup_kept = checked = 0
+    for i in range(24):
+        if i % 2:
+            unit = [rng.randrange(vocab - 1) for _ in range(rng.randint(2, 6))]
+            prompt = (unit * 8)[: rng.randint(8, 30)]  # a pattern that invites copying
+        else:
+            prompt = [rng.randrange(vocab - 1) for _ in range(rng.randint(2, 20))]
+        n = rng.randint(20, 60)
+        ref, _ = _run(target, prompt, n)
+        if not clear_margins(target, prompt, ref):
+            continue
+        stops = (ref[len(ref) * 2 // 3],) if i % 3 == 0 else ()
+        want = ref[: ref.index(stops[0]) + 1] if stops else ref
+        for kw in ({"lookup": True}, {"lookup": True, "drafter": drafter},
+                   {"lookup": True, "drafter": drafter, "block_size": 4}, {"lookup": True, "block_size": 3}):
+            got, stats = _run(target, prompt, n, stop_token_ids=stops, **kw)
+            assert got == want, (i, kw)
+            assert sum(stats.acceptance_lengths) == len(want) - 1
+            assert stats.lookup_accepted <= stats.accepted_tokens
+            lookup_kept += stats.lookup_accepted
+            checked += 1
+    assert checked >= 40
+    assert lookup_kept > 50  # the lookup path ran and kept tokens, so the equality above tested it
+
+
+def test_lookup_modes_and_stats(llama_and_drafter):
+    target, drafter = llama_and_drafter
+    prompt = [3, 4, 5, 6] * 6
+    _, s = _run(target, prompt, 30, lookup=True)
+    assert s.mode == "lookup" and s.lookup_cycles > 0
+    assert s.as_dict()["lookup_drafted"] == s.lookup_drafted >= s.lookup_accepted
+    _, s = _run(target, prompt, 30, lookup=True, drafter=drafter)
+    assert s.mode == "dflash+lookup"
+    _, s = _run(target, prompt, 30, drafter=drafter)
+    assert s.mode == "dflash" and s.lookup_cycles == 0
+
+
+def test_lookup_sampling_matches_target_distribution(small_vocab):
+    """Lookup drafts are a one-hot proposal; rejection sampling keeps the target's distribution."""
+    target, _ = small_vocab
+    prompt = [1, 3, 0, 2, 1, 3, 0, 2, 1, 3]  # tail "1 3" recurs: lookup proposes from the first token on
+    settings = {"temperature": 1.0}
+    exact = _exact_joint(target, prompt, Sampler(**settings))
+    n, counts, looked = 4000, {}, 0
+    kept = drafted = 0
+    for i in range(n):
+        stats = Stats()
+        ids = tuple(generate_tokens(target, prompt, max_new_tokens=K, sampler=Sampler(**settings, seed=i),
+                                    stats=stats, lookup=True))
+        counts[ids] = counts.get(ids, 0) + 1
+        looked += stats.lookup_cycles
+        kept, drafted = kept + stats.lookup_accepted, drafted + stats.lookup_drafted
+    assert looked > n // 5 and 0.05 < kept / drafted < 0.95  # both accept and reject paths ran
+    assert _chi2_pvalue(counts, exact, n) > 1e-3
