@@ -227,7 +227,9 @@ def generate_tokens(
                 dflash_mean = 0.7 * dflash_mean + 0.3 * accepted
             if controller is not None:
                 controller.observe(bs, len(new), now - t_cycle)
-        if finder is not None and (use_lookup or bs == 1):  # verify-only cycles: no draft time in them
+        # Verify-only cycles time the lookup's widths. Not for a seeded sampled run: its random draws
+        # depend on the block widths, so they must not depend on timing (unmeasured widths cost alike).
+        if finder is not None and (use_lookup or bs == 1) and (sampler.greedy or sampler.seed is None):
             finder.observe_cost(bs, now - t_cycle)
         if finder is not None:
             finder.extend(new)
