@@ -67,10 +67,12 @@ class PromptLookup:
 
     def expected_tokens(self, width: int) -> float:
         """Expected committed tokens of a verify pass of `width` positions with a lookup draft."""
-        total = 1.0
+        total, r = 1.0, 1.0
         for k in range(width - 1):
-            # optimistic prior (0.5) for positions never checked yet, so they get tried
-            total += self.accepted[k] / self.checked[k] if self.checked[k] > 0.5 else 0.5
+            # optimistic prior (0.5) for positions rarely checked, so they get tried; never above the
+            # position before (keeping k + 1 tokens needs the first k kept)
+            r = min(r, self.accepted[k] / self.checked[k] if self.checked[k] > 0.5 else 0.5)
+            total += r
         return total
 
     def cost(self, width: int) -> float:
@@ -87,15 +89,18 @@ class PromptLookup:
         tokens per second, less one (0 when no draft beats a plain step)."""
         return max(range(1, available + 2), key=lambda w: self.expected_tokens(w) / self.cost(w)) - 1
 
-    def observe(self, checked: int, kept: int) -> None:
+    def observe(self, checked: int, kept: int, drafted: bool = True) -> None:
         """A draft whose first `checked` tokens were compared with the target's and whose first
-        `kept` of them matched (also for a draft that was not used, as far as the new tokens tell)."""
-        for k in range(self.max_draft):
-            self.accepted[k] *= self.decay
-            self.checked[k] *= self.decay
+        `kept` of them matched; drafted=False: a match that was not used, checked against the new
+        tokens as far as they go."""
+        # Only the positions checked learn: a plain step's counterfactual checks the first position
+        # alone and must not wash out what is known of the far ones.
         for k in range(min(checked, self.max_draft)):
-            self.checked[k] += 1
-            self.accepted[k] += k < kept
+            self.accepted[k] = self.decay * self.accepted[k] + (k < kept)
+            self.checked[k] = self.decay * self.checked[k] + 1
+        if drafted and kept == checked:  # a draft kept whole: the positions past it may be better now
+            for k in range(checked, self.max_draft):
+                self.accepted[k] = self.checked[k] = 0.0
 
     def observe_cost(self, width: int, seconds: float) -> None:
         """Seconds of one verify pass of `width` positions (plain steps are width 1)."""

@@ -222,7 +222,7 @@ def generate_tokens(
         else:
             if match:  # what the unused match would have kept, as far as the new tokens tell
                 kept = _common_prefix(match, new)
-                finder.observe(min(len(match), len(new), kept + 1), kept)
+                finder.observe(min(len(match), len(new), kept + 1), kept, drafted=False)
             if bs > 1:
                 dflash_mean = 0.7 * dflash_mean + 0.3 * accepted
             if controller is not None:

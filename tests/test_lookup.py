@@ -129,3 +129,19 @@ def test_lookup_sampling_matches_target_distribution(small_vocab):
         kept, drafted = kept + stats.lookup_accepted, drafted + stats.lookup_drafted
     assert looked > n // 5 and 0.05 < kept / drafted < 0.95  # both accept and reject paths ran
     assert _chi2_pvalue(counts, exact, n) > 1e-3
+
+
+def test_far_positions_never_look_better_than_the_first():
+    """Plain steps check only the first position: its misses cap the far ones, whose own record stays."""
+    lk = PromptLookup([1, 2, 3, 1, 2])
+    lk.observe_cost(1, 1.0)
+    lk.observe_cost(16, 1.5)
+    lk.observe(15, 1)  # one wide draft: the first token kept, the second not
+    for _ in range(20):
+        lk.observe(1, 1, drafted=False)  # then many plain steps whose first token the match had right
+    assert lk.expected_tokens(16) == pytest.approx(2.0, abs=0.01)  # position 1 is still known to miss
+    for _ in range(20):
+        lk.observe(1, 0, drafted=False)
+    assert lk.expected_tokens(16) < 1.05 and lk.draft_length(15) == 0
+    lk.observe(3, 3)  # a fully kept draft: the positions past it are tried again
+    assert lk.expected_tokens(16) > 2
