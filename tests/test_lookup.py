@@ -134,8 +134,8 @@ def test_lookup_sampling_matches_target_distribution(small_vocab):
 def test_far_positions_never_look_better_than_the_first():
     """Plain steps check only the first position: its misses cap the far ones, whose own record stays."""
     lk = PromptLookup([1, 2, 3, 1, 2])
-    lk.observe_cost(1, 1.0)
-    lk.observe_cost(16, 1.5)
+    for w in range(1, 17):
+        lk.observe_cost(w, 1.0 + 0.05 * (w - 1))
     lk.observe(15, 1)  # one wide draft: the first token kept, the second not
     for _ in range(20):
         lk.observe(1, 1, drafted=False)  # then many plain steps whose first token the match had right
