@@ -9,7 +9,7 @@ import json
 import sys
 
 
-def _common_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
+def _common_model_args(p: argparse.ArgumentParser, draft: bool = True, decoding: bool = True) -> None:
     p.add_argument("--model", default=None,
                    help="model directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
     if draft:
@@ -20,7 +20,7 @@ def _common_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--quantize", default=None, choices=["int8", "int4"],
                    help="weight-only int8 or int4 (CPU) linear layers in the target (default: off)")
-    if draft:
+    if draft and decoding:  # how generation runs: not for commands that only time passes
         p.add_argument("--adaptive", action="store_true",
                        help="pick the block size per cycle from measured costs and acceptance")
         p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
