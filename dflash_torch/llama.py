@@ -85,12 +85,17 @@ class Attention(nn.Module):
         # every mode and stays fused), and not with a sliding window (decode masks there).
         self.exact_verify = False
         self.no_window = c.sliding_window is None
+        self.qkv_proj = None  # [q; k; v] as one layer, set by quantize.fuse_projections
 
     def forward(self, x, cos, sin, cache: KVCache, start: int, mask):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, *[self.n_kv * self.head_dim] * 2], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.n_heads, self.head_dim)
+        k = k.view(b, t, self.n_kv, self.head_dim)
+        v = v.view(b, t, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]

@@ -9,7 +9,8 @@ int4 (CPU only): group-wise asymmetric, 16 levels between each group's min and m
 dimension, bf16 scale and zero point per group; the matmul runs in `aten._weight_int4pack_mm_for_cpu`.
 About a sixth of the float32 bytes at group size 32 (4 bits plus 32 bits of scale/zero per group).
 
-Both keep the embedding in full precision (the lookup stays exact and the drafter reads it); a tied
+Both first fuse q/k/v and gate/up into one layer each (`fuse_projections`): same results, fewer kernel
+calls. Both keep the embedding in full precision (the lookup stays exact and the drafter reads it); a tied
 LM head is replaced by a quantized copy.
 """
 
@@ -42,7 +43,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.device.type == "cpu" and x2.dtype in (torch.float32, torch.bfloat16):
+        if x2.device.type == "cpu" and x2.dtype in (torch.float32, torch.bfloat16) and self.in_features % 32 == 0:
             # The CPU kernel is fast with bfloat16 activations and several times slower with float32
             # (measured with `dflash profile`), so float32 inputs go through it in bfloat16.
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight_int8,
@@ -95,6 +96,13 @@ class Int4Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
+def int8_fits(linear: nn.Linear) -> bool:
+    """Whether the CPU int8 kernel takes this layer: it reads inputs in vectors of 16 with no tail
+    loop, so in_features not a multiple of 16 reads past the end (measured: a crash at K = 8, 24, 40).
+    32 keeps a margin for other vector widths."""
+    return linear.in_features % 32 == 0
+
+
 def int4_fits(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> bool:
     """Whether the CPU int4 kernel takes this layer's shape (N a multiple of 16, K of the group size)."""
     n, k = linear.weight.shape
@@ -110,6 +118,43 @@ def _replace_linears(model: nn.Module, make) -> nn.Module:
     return model
 
 
+def _concat(parts: list[nn.Linear]) -> nn.Linear:
+    first = parts[0]
+    out = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
+                    device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(torch.cat([p.weight for p in parts]))
+        if first.bias is not None:
+            out.bias.copy_(torch.cat([p.bias for p in parts]))
+    return out.requires_grad_(False)
+
+
+def fuse_projections(model: nn.Module, fits=lambda linear: True) -> nn.Module:
+    """Concatenate q/k/v into `qkv_proj` and gate/up into `gate_up_proj` wherever a module declares
+    those slots (llama.Attention, layers.MLP), in place: one matmul and one activation cast instead of
+    three or two. Only layers whose parts all satisfy `fits` are fused, so a quantizer that skips a
+    shape skips the same layers fused or not.
+
+    Used for quantized targets only: the int8/int4 kernels compute each output column alike whatever
+    the matrix it sits in, so fused and separate layers give identical results (tests/test_fast.py),
+    and fewer kernel calls cut a decode step's fixed costs (docs/performance.md). float32 matmuls
+    measured no faster fused here and round differently, so float32 targets are left unfused."""
+    groups = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+    for m in model.modules():
+        for fused, names in groups:
+            if not hasattr(m, fused) or getattr(m, fused) is not None:
+                continue
+            parts = [getattr(m, n, None) for n in names]
+            if not all(isinstance(p, nn.Linear) and fits(p) for p in parts):
+                continue
+            if len({(p.in_features, p.bias is not None) for p in parts}) != 1:
+                continue
+            setattr(m, fused, _concat(parts))
+            for n in names:
+                delattr(m, n)
+    return model
+
+
 def exact_verify(model: nn.Module) -> nn.Module:
     """Make verify passes reproduce decode steps bit for bit: attention one query at a time (the
     quantized linear kernels already give each row the same result for any number of rows). Without
@@ -121,13 +166,20 @@ def exact_verify(model: nn.Module) -> nn.Module:
     return model
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """Replace every nn.Linear of `model` (the LM head included, untied from the embedding) in place."""
-    return exact_verify(_replace_linears(model, Int8Linear))
+def quantize_int8(model: nn.Module, fuse: bool = True) -> nn.Module:
+    """Replace every nn.Linear of `model` (the LM head included, untied from the embedding) whose shape
+    the kernel takes (`int8_fits`; others stay in full precision) in place, after fusing q/k/v and
+    gate/up (`fuse=False` keeps them apart; same results, more kernel calls)."""
+    if fuse:
+        fuse_projections(model, fits=int8_fits)
+    return exact_verify(_replace_linears(model, lambda lin: Int8Linear(lin) if int8_fits(lin) else None))
 
 
-def quantize_int4(model: nn.Module, group_size: int = INT4_GROUP_SIZE) -> nn.Module:
+def quantize_int4(model: nn.Module, group_size: int = INT4_GROUP_SIZE, fuse: bool = True) -> nn.Module:
     """Replace every nn.Linear of a CPU `model` (the LM head included, untied from the embedding) in
-    place; a layer whose shape the kernel does not take stays in full precision."""
+    place; a layer whose shape the kernel does not take stays in full precision. q/k/v and gate/up are
+    fused first where every part fits the kernel (`fuse=False` keeps them apart; same results)."""
+    if fuse:
+        fuse_projections(model, fits=lambda lin: int4_fits(lin, group_size))
     return exact_verify(
         _replace_linears(model, lambda lin: Int4Linear(lin, group_size) if int4_fits(lin, group_size) else None))

@@ -358,3 +358,24 @@ def test_moe_and_bidirectional_configs_are_refused():
         qwen3_5.from_config({"model_type": "qwen3_5_moe", "text_config": {"num_hidden_layers": 2}})
     with pytest.raises(ValueError, match="non-causal"):
         gemma4.from_config(dict(GEMMA4, model_type="gemma4_text", use_bidirectional_attention="all"))
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma4", "gemma3"])
+def test_fused_mlp_changes_nothing(families, name, quant):
+    """Quantizing fuses each MLP's gate/up into one layer: bit-identical logits to separate layers."""
+    from dflash_torch.quantize import quantize_int4, quantize_int8
+
+    quantizer = quantize_int8 if quant == "int8" else quantize_int4
+    path = families[name][0]
+    models = [quantizer(loading.load_target(path, CPU, torch.float32), fuse=f) for f in (False, True)]
+    assert models[1].model.layers[0].mlp.gate_up_proj is not None
+    prompt = [random.Random(4).randrange(256) for _ in range(12)]
+    with torch.inference_mode():
+        logits = []
+        for m in models:
+            c = m.new_cache(32)
+            out = [m(torch.tensor([prompt]), c, logits="all").logits]
+            out += [m(torch.tensor([[t]]), c, logits="all").logits for t in prompt[:4]]
+            logits.append(torch.cat(out, dim=1))
+    assert torch.equal(logits[0], logits[1])

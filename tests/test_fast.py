@@ -55,6 +55,19 @@ def test_int4_linear_matches_dequantized_weights():
     assert (err <= step / 2 + lin.weight.abs().max() / 128).all()  # half a step, plus bf16 rounding
 
 
+def test_int8_keeps_layers_the_kernel_cannot_take():
+    """The CPU int8 kernel reads past the input for in_features not a multiple of 16 (a crash at 8)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 64))
+    quantize_int8(model)
+    assert [type(m).__name__ for m in model] == ["Int8Linear", "Linear"]
+    x = torch.randn(3, 64)
+    for _ in range(200):  # a read past the end crashed within a few hundred calls
+        y = model(x)
+    assert y.shape == (3, 64) and torch.isfinite(y).all()
+    direct = Int8Linear(torch.nn.Linear(8, 16))  # built by hand: the plain path, never the kernel
+    assert torch.isfinite(direct(torch.randn(2, 8))).all()
+
+
 def test_int4_keeps_layers_the_kernel_cannot_take():
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 40), torch.nn.Linear(40, 64))
     quantize_int4(model)
@@ -123,6 +136,35 @@ def test_calibrate_measures_each_block_size(pair):
     target = loading.load_target(path, torch.device("cpu"), torch.float32)
     costs = calibrate(target, load_drafter(dpath), context=16, repeats=1)
     assert sorted(costs) == [1, 2, 4, 8] and all(t > 0 for t in costs.values())
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fused_projections_change_nothing(tiny_models, kind, quant):
+    """Quantizing fuses q/k/v and gate/up into one layer each; the logits of a prefill, decode steps and
+    a verify pass are bit-identical to the same quantized weights kept as separate layers."""
+    quantizer = quantize_int8 if quant == "int8" else quantize_int4
+    models = []
+    for fuse in (False, True):
+        target = loading.load_target(tiny_models[kind], torch.device("cpu"), torch.float32)
+        models.append(quantizer(target, fuse=fuse))
+    fused_layer = models[1].model.layers[0]
+    assert fused_layer.self_attn.qkv_proj is not None and fused_layer.mlp.gate_up_proj is not None
+    assert not hasattr(fused_layer.self_attn, "q_proj") and not hasattr(fused_layer.mlp, "up_proj")
+    assert models[0].model.layers[0].self_attn.qkv_proj is None
+    rng = random.Random(11)
+    prompt = [rng.randrange(255) for _ in range(20)]
+    with torch.inference_mode():
+        logits, caches = [], []
+        for m in models:
+            c = m.new_cache(64)
+            out = [m(torch.tensor([prompt]), c, logits="all").logits]
+            out += [m(torch.tensor([[t]]), c, logits="all").logits for t in prompt[:5]]
+            out.append(m(torch.tensor([prompt[5:17]]), c, logits="all").logits)
+            logits.append(torch.cat(out, dim=1))
+            caches.append(c)
+        assert torch.equal(logits[0], logits[1])
+        assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
