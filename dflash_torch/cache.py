@@ -30,6 +30,9 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
         v_shape = shape[:-1] + (v_head_dim or head_dim,)
         self.v = torch.zeros(v_shape, dtype=dtype, device=device)
+        # One view per layer, made once: a write then slices one dim instead of indexing four.
+        self.k_layers = [self.k[i] for i in range(num_layers)]  # L x [B, Hkv, S, D]
+        self.v_layers = [self.v[i] for i in range(num_layers)]
         self.max_len = max_len
         self.length = 0
 
@@ -38,9 +41,10 @@ class KVCache:
         end = start + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: position {end} > capacity {self.max_len}")
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        keys, values = self.k_layers[layer], self.v_layers[layer]
+        keys[:, :, start:end].copy_(k)
+        values[:, :, start:end].copy_(v)
+        return keys[:, :, :end], values[:, :, :end]
 
     def crop(self, length: int) -> None:
         """Forget every position at or after `length` (rollback)."""

@@ -89,17 +89,23 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: KVCache, start: int, mask):
         b, t, _ = x.shape
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, *[self.n_kv * self.head_dim] * 2], -1)
+        h, hkv, d = self.n_heads, self.n_kv, self.head_dim
+        if self.qkv_proj is not None and not self.qk_norm:
+            qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) * D]
+            # q and k heads side by side: rotated in one pass (elementwise, so exactly as apart)
+            qk = apply_rotary(qkv[..., : (h + hkv) * d].view(b, t, h + hkv, d).transpose(1, 2), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]  # [B, H, T, D], [B, Hkv, T, D]
+            v = qkv[..., (h + hkv) * d :].view(b, t, hkv, d)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(b, t, self.n_heads, self.head_dim)
-        k = k.view(b, t, self.n_kv, self.head_dim)
-        v = v.view(b, t, self.n_kv, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
-        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+            if self.qkv_proj is not None:
+                q, k, v = self.qkv_proj(x).split([h * d, hkv * d, hkv * d], -1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = q.view(b, t, h, d), k.view(b, t, hkv, d), v.view(b, t, hkv, d)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+            k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
         k, v = cache.write(self.layer, start, k, v.transpose(1, 2))  # [B, Hkv, start + T, D]
         if self.exact_verify and 1 < t <= EXACT_VERIFY_MAX_T and self.no_window:
             return self.o_proj(attend_each_query(q, k, v, start, self.scale))

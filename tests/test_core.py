@@ -96,6 +96,20 @@ def test_rollback_is_bit_exact(tiny_models):
     assert torch.equal(a.k[..., :19, :], b.k[..., :19, :]) and torch.equal(a.v[..., :19, :], b.v[..., :19, :])
 
 
+@pytest.mark.parametrize("dim", [16, 64, 576])
+def test_rms_norm_fast_path_equals_reference(dim):
+    """RMSNorm's one-call float32 path computes exactly the plain eight-operator formula."""
+    from dflash_torch.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(dim)
+    norm = RMSNorm(dim, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=g))
+    for t in (1, 3, 16, 129):
+        x = torch.randn(2, t, dim, generator=g) * 5
+        assert torch.equal(norm(x), norm.reference(x))
+
+
 def test_target_layer_ids_rule():
     assert build_target_layer_ids(8, 2) == [1, 5]
     assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
