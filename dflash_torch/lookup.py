@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+UNSEEN_RATIO = 0.85  # prior: P(keep position k + 1 | kept k) for positions not yet checked
+
 
 class PromptLookup:
     """An n-gram index over the committed tokens, proposing continuations of the longest match.
@@ -69,9 +71,15 @@ class PromptLookup:
         """Expected committed tokens of a verify pass of `width` positions with a lookup draft."""
         total, r = 1.0, 1.0
         for k in range(width - 1):
-            # optimistic prior (0.5) for positions rarely checked, so they get tried; never above the
-            # position before (keeping k + 1 tokens needs the first k kept)
-            r = min(r, self.accepted[k] / self.checked[k] if self.checked[k] > 0.5 else 0.5)
+            if self.checked[k] > 0.5:
+                # never above the position before: keeping k + 1 tokens needs the first k kept
+                r = min(r, self.accepted[k] / self.checked[k])
+            else:
+                # a position rarely checked: a prior, so it gets tried. The first gets an even
+                # chance; each later one keeps UNSEEN_RATIO of the one before, so an untested wide
+                # draft is not valued as a flat run of coin flips (on a CPU where a 16-wide verify
+                # costs several steps, that flat prior kept paying for wide drafts that missed).
+                r = min(r, 0.5) if k == 0 else r * UNSEEN_RATIO
             total += r
         return total
 

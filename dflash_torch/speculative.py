@@ -215,7 +215,12 @@ def generate_tokens(
         now = time.perf_counter()
         stats.decode_s = now - t0
         if use_lookup:
-            finder.observe(bs - 1, accepted)
+            checked, kept = bs - 1, accepted
+            if accepted == bs - 1 and len(match) > checked and len(new) > checked:
+                # kept whole: the bonus token also checks the match's next position, so a draft that
+                # keeps being kept learns one position further each cycle
+                checked, kept = checked + 1, kept + (match[checked] == new[checked])
+            finder.observe(checked, kept)
             stats.lookup_cycles += 1
             stats.lookup_drafted += bs - 1
             stats.lookup_accepted += accepted

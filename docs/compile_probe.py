@@ -30,9 +30,11 @@ def before_cache(layer: llama.DecoderLayer, x: torch.Tensor, cos: torch.Tensor, 
     a = layer.self_attn
     b, t, _ = x.shape
     h = layer.input_layernorm(x)
-    q = a.q_proj(h).view(b, t, a.n_heads, a.head_dim)
-    k = a.k_proj(h).view(b, t, a.n_kv, a.head_dim)
-    v = a.v_proj(h).view(b, t, a.n_kv, a.head_dim)
+    if a.qkv_proj is not None:  # quantized targets have q/k/v fused (quantize.fuse_projections)
+        q, k, v = a.qkv_proj(h).split([a.n_heads * a.head_dim, a.n_kv * a.head_dim, a.n_kv * a.head_dim], -1)
+    else:
+        q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+    q, k, v = q.view(b, t, a.n_heads, a.head_dim), k.view(b, t, a.n_kv, a.head_dim), v.view(b, t, a.n_kv, a.head_dim)
     if a.qk_norm:
         q, k = a.q_norm(q), a.k_norm(k)
     return apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin), v.transpose(1, 2)

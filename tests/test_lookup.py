@@ -145,3 +145,21 @@ def test_far_positions_never_look_better_than_the_first():
     assert lk.expected_tokens(16) < 1.05 and lk.draft_length(15) == 0
     lk.observe(3, 3)  # a fully kept draft: the positions past it are tried again
     assert lk.expected_tokens(16) > 2
+
+
+def test_unchecked_positions_are_valued_geometrically():
+    """An untested wide draft is not valued as a flat run of even chances: where a wide verify costs
+    several steps the first draft is narrow, and a loop that keeps being kept whole (the bonus token
+    checking one position further each time) widens it to the full width."""
+    from dflash_torch.lookup import UNSEEN_RATIO
+
+    lk = PromptLookup([1, 2, 3])
+    for w in range(1, 17):
+        lk.observe_cost(w, 1.0 + 0.25 * (w - 1))  # a 16-wide verify costs 4.75 plain steps
+    assert lk.expected_tokens(3) == pytest.approx(1 + 0.5 + 0.5 * UNSEEN_RATIO)
+    widths = []
+    for _ in range(12):
+        k = lk.draft_length(15)
+        widths.append(k)
+        lk.observe(k + 1, k + 1)  # the k drafted tokens and the bonus position all kept
+    assert 0 < widths[0] < 4 and widths[-1] == 15 and widths == sorted(widths)
