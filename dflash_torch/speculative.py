@@ -169,7 +169,9 @@ def generate_tokens(
 
     if speculative:
         draft_cache = drafter.new_cache(n + max_new_tokens + block_size)
-        ctx = out.hidden  # [1, n, n_taps * H]: tap features not yet given to the drafter
+        # tap features [1, t, n_taps * H] not yet given to the drafter, joined only when it runs: a
+        # running torch.cat copied the whole backlog every step while the fallback kept it off
+        pending = [out.hidden]
     finder = PromptLookup([*prompt, token], max_draft=lookup_width) if lookup else None
     dflash_mean = 0.0  # running mean of drafted tokens kept per drafter cycle
     while True:
@@ -196,9 +198,10 @@ def generate_tokens(
                 draft_probs = torch.zeros(bs - 1, target.config.vocab_size, device=device)
                 draft_probs[torch.arange(bs - 1), block[0, 1:]] = 1.0
         elif bs > 1:
+            ctx = pending[0] if len(pending) == 1 else torch.cat(pending, dim=1)  # [1, Tc, n_taps * H]
             draft_logits = drafter.propose(target, block, ctx, draft_cache)  # [1, bs - 1, V]
             block[0, 1:], draft_probs = sampler.draft(draft_logits[0])
-            ctx = ctx[:, :0]  # the drafter's cache holds it now
+            pending = []  # the drafter's cache holds it now
         out = target(block, cache, logits="all", taps=taps)  # verify: logits at every block position
         accepted, bonus = sampler.verify(block[0, 1:], out.logits[0], draft_probs)
         new = block[0, 1 : accepted + 1].tolist() + [bonus]
@@ -209,7 +212,7 @@ def generate_tokens(
                 break
         cache.crop(pos + len(new))  # keep token + the accepted drafts; the last new token is not in yet
         if speculative:
-            ctx = torch.cat([ctx, out.hidden[:, : len(new)]], dim=1)
+            pending.append(out.hidden[:, : len(new)])
         stats.record_cycle(bs - 1, accepted, len(new))
         stats.generated_tokens += len(new)
         now = time.perf_counter()
