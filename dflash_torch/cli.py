@@ -48,6 +48,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .sampling import Sampler
     from .speculative import Stats
 
+    if args.text is not None:
+        if args.prompt is not None:
+            raise ValueError("give the prompt text once: as an argument or with --prompt, not both")
+        args.prompt = args.text
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     sampler = Sampler(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
@@ -159,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     _common_model_args(g)
     g.add_argument("--prompt", default=None, help="prompt text (chat template applied)")
+    g.add_argument("text", nargs="?", default=None, help="the prompt text, as an alternative to --prompt")
     g.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids")
     g.add_argument("--no-chat-template", action="store_true", help="use the prompt text as is")
     g.add_argument("--max-tokens", type=int, default=256)

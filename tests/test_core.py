@@ -188,6 +188,10 @@ def test_cli_errors_are_messages_not_tracebacks(zlab, capsys, tmp_path):
     assert "comma-separated integers" in capsys.readouterr().err
     assert main(["generate", "--model", str(zlab / "target"), "--prompt", "hi", "--no-draft"]) == 2
     assert "no tokenizer" in capsys.readouterr().err
+    assert main(["generate", "--model", str(zlab / "target"), "hi", "--no-draft"]) == 2  # positional prompt text
+    assert "no tokenizer" in capsys.readouterr().err
+    assert main(["generate", "--model", str(zlab / "target"), "hi", "--prompt", "hi"]) == 2
+    assert "not both" in capsys.readouterr().err
     assert main(["generate", "--model", str(zlab / "target"), "--prompt-ids", "1,2", "--max-tokens", "0"]) == 2
     assert "max_tokens" in capsys.readouterr().err
     assert main(["generate", "--model", str(zlab / "target"), "--prompt-ids", "1,2", "--max-tokens", "9999"]) == 2
