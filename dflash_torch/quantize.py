@@ -43,7 +43,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.device.type == "cpu" and x2.dtype in (torch.float32, torch.bfloat16) and self.in_features % 32 == 0:
+        if x2.device.type == "cpu" and x2.dtype in (torch.float32, torch.bfloat16) and int8_fits(self):
             # The CPU kernel is fast with bfloat16 activations and several times slower with float32
             # (measured with `dflash profile`), so float32 inputs go through it in bfloat16.
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight_int8,
@@ -96,7 +96,7 @@ class Int4Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
-def int8_fits(linear: nn.Linear) -> bool:
+def int8_fits(linear: nn.Module) -> bool:
     """Whether the CPU int8 kernel takes this layer: it reads inputs in vectors of 16 with no tail
     loop, so in_features not a multiple of 16 reads past the end (measured: a crash at K = 8, 24, 40).
     32 keeps a margin for other vector widths."""
