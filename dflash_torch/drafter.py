@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -63,18 +64,20 @@ class DraftAttention(nn.Module):
         self.layer = layer
         self.scale = self.head_dim**-0.5
 
-    def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        return apply_rotary(k, cos, sin), v  # [B, Hkv, T, D]
+    def kv(self, k: torch.Tensor, v: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected k and v [B, T, Hkv * D] -> normed, rotated keys and values [B, Hkv, T, D]."""
+        b, t, _ = k.shape
+        k = self.k_norm(k.view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rotary(k, cos, sin), v
 
-    def forward(self, x, ctx, q_rope, ctx_rope, q_pos, k_pos, cache: KVCache | None, extra_mask):
+    def forward(self, x, ctx, q_rope, ctx_rope, q_pos, k_pos, cache: KVCache | None, extra_mask, ctx_kv=None):
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
         q = apply_rotary(q, *q_rope)
-        k_blk, v_blk = self.kv(x, *q_rope)
-        k_ctx, v_ctx = self.kv(ctx, *ctx_rope)
+        k_blk, v_blk = self.kv(self.k_proj(x), self.v_proj(x), *q_rope)
+        # ctx_kv: this layer's context k/v projections, when the drafter made all layers' in one matmul
+        k_ctx, v_ctx = self.kv(*(ctx_kv or (self.k_proj(ctx), self.v_proj(ctx))), *ctx_rope)
         if cache is not None:
             # Context keys are kept for later cycles; the block's go into the scratch slots right after
             # them and are overwritten next cycle (the cache length never covers them).
@@ -100,9 +103,9 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c["hidden_size"], eps)
         self.mlp = MLP(c["hidden_size"], c["intermediate_size"], act=c.get("hidden_act", "silu"))
 
-    def forward(self, x, ctx, q_rope, ctx_rope, q_pos, k_pos, cache, extra_mask):
+    def forward(self, x, ctx, q_rope, ctx_rope, q_pos, k_pos, cache, extra_mask, ctx_kv=None):
         h = self.input_layernorm(x)
-        x = x + self.self_attn(h, ctx, q_rope, ctx_rope, q_pos, k_pos, cache, extra_mask)
+        x = x + self.self_attn(h, ctx, q_rope, ctx_rope, q_pos, k_pos, cache, extra_mask, ctx_kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -130,10 +133,22 @@ class DFlashDrafter(nn.Module):
         self.softcap = dflash_value(c, "final_logit_softcapping")
         head_dim = c.get("head_dim") or h // c["num_attention_heads"]
         self.rotary = Rotary(rope_parameters(c), head_dim, c.get("max_position_embeddings", 4096))
+        # every layer's context k/v projections stacked (fuse_context_kv); not saved with the weights
+        self.register_buffer("ctx_kv_weight", None, persistent=False)
+        self.register_buffer("ctx_kv_bias", None, persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    def fuse_context_kv(self) -> DFlashDrafter:
+        """Compute the context keys/values of all draft layers with one matmul instead of two per layer
+        (inference only: a copy of the k/v weights, so call it again after changing them). The context is
+        the same for every layer; only the block's own k/v differ per layer."""
+        parts = [p for layer in self.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        self.ctx_kv_weight = torch.cat([p.weight.detach() for p in parts])  # [L * 2 * Hkv * D, H]
+        self.ctx_kv_bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+        return self
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         """Context keys/values of every draft layer, plus room for one block of scratch."""
@@ -167,9 +182,15 @@ class DFlashDrafter(nn.Module):
             k_pos = torch.cat([torch.arange(cache.length + ctx.shape[1], device=q_pos.device), q_pos])
         else:
             k_pos = torch.cat([ctx_pos, q_pos])
+        ctx_kv = [None] * len(self.layers)
+        if self.ctx_kv_weight is not None:
+            kv = F.linear(ctx, self.ctx_kv_weight, self.ctx_kv_bias)  # [B, Tc, L * 2 * Hkv * D]
+            sizes = [p.out_features for layer in self.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+            parts = kv.split(sizes, dim=-1)
+            ctx_kv = [parts[2 * i : 2 * i + 2] for i in range(len(self.layers))]
         x = noise_embedding
-        for layer in self.layers:
-            x = layer(x, ctx, q_rope, ctx_rope, q_pos, k_pos, cache, extra_mask)
+        for layer, layer_kv in zip(self.layers, ctx_kv):
+            x = layer(x, ctx, q_rope, ctx_rope, q_pos, k_pos, cache, extra_mask, layer_kv)
         if cache is not None:
             cache.length += ctx.shape[1]
         return self.norm(x)

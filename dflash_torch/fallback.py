@@ -4,8 +4,12 @@ A speculative cycle costs a draft pass plus a wider verify pass; when the drafte
 (a domain it was not trained on, sampling at a high temperature) that costs more per committed token
 than a plain target step. `FallbackController` is the per-cycle `controller` hook of
 `speculative.generate_tokens`: it times committed tokens in both modes over a moving window, drops to
-block size 1 when speculation is slower, and probes speculation again after a number of tokens (the
-gap doubles each time the probe fails). Output never depends on it: every token is the target's.
+block size 1 when speculation is slower, and probes speculation again after a number of tokens. The
+gap doubles each time a probe fails, and is at least long enough that the time the last window lost
+against plain steps is `probe_budget` of the time between probes: where a wide verify costs several
+decode steps (quantized targets on a CPU), a probe costs more, so it comes less often. A server
+carries the fallen-back state into the next request (`carry`), so each request does not pay for
+finding out again. Output never depends on it: every token is the target's.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ class FallbackController:
     window: cycles per mode that a comparison uses. measure_steps: plain steps timed to get a
     baseline when none is known. probe_after: tokens of target-only decoding before speculation is
     tried again (doubled after each failed probe, up to max_probe_after). margin: speculation must
-    be this fraction slower than the target before falling back (noise guard).
+    be this fraction slower than the target before falling back (noise guard). probe_budget: the
+    share of decoding time that failed probes may cost.
     target_s_per_token: a known baseline (e.g. from earlier requests) that spares the measurement.
+    carried: `carry()` of the previous request's controller: start fallen back, probing when it was due.
     """
 
     def __init__(
@@ -33,6 +39,8 @@ class FallbackController:
         max_probe_after: int = 2048,
         margin: float = 0.05,
         target_s_per_token: float | None = None,
+        probe_budget: float = 0.05,
+        carried: dict | None = None,
     ) -> None:
         self.window, self.measure_steps, self.margin = window, measure_steps, margin
         self.probe_after, self.max_probe_after, self._first_probe = probe_after, max_probe_after, probe_after
@@ -47,6 +55,11 @@ class FallbackController:
         # token decoded meanwhile), a one-off cost that would bias the window: it is not timed.
         self._skip_first = True
         self._probe_at = 0
+        self.probe_budget = probe_budget
+        if carried is not None:  # the drafter lost in an earlier request: stay off until its probe is due
+            self.state, self._probe_at = "target", max(0, int(carried["probe_in_tokens"]))
+            self.probe_after = int(carried["probe_after"])
+            self.events.append({"event": "carried", "token": 0, "probe_in_tokens": self._probe_at})
 
     def block_size(self, stats) -> int:
         """Block size for the next cycle (1 = a plain target step)."""
@@ -89,14 +102,23 @@ class FallbackController:
 
     @property
     def fallbacks(self) -> int:
-        return sum(e["event"] == "fallback" for e in self.events)
+        """Times this request switched to target-only (a start carried over from the last one included)."""
+        return sum(e["event"] in ("fallback", "carried") for e in self.events)
+
+    def carry(self) -> dict | None:
+        """What the next request should start from: None while speculating, else when to probe."""
+        if self.state != "target":
+            return None
+        return {"probe_in_tokens": max(0, self._probe_at - self.tokens), "probe_after": self.probe_after}
 
     def _decide(self) -> None:
         spec, target = self.spec_s_per_token, self.target_s_per_token
         probing = bool(self.events) and self.events[-1]["event"] == "probe"
         if spec is not None and target is not None and spec > target * (1 + self.margin):
             self.state = "target"
-            gap = self.probe_after
+            # seconds the window lost against plain steps, spread so probes cost probe_budget of the time
+            lost = sum(s - n * target for s, n in self.spec)
+            gap = min(max(self.probe_after, round(lost / (self.probe_budget * target))), self.max_probe_after)
             self._probe_at = self.tokens + gap
             self.probe_after = min(2 * gap, self.max_probe_after)
             self.events.append({

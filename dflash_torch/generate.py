@@ -115,7 +115,7 @@ def load(
         print(f"dflash: no drafter registered for {name}; running target-only", file=sys.stderr)
     if draft_spec is not None:
         draft_path = loading.resolve_model(str(draft_spec)) if not Path(draft_spec).is_dir() else Path(draft_spec)
-        drafter = load_drafter(draft_path, device=dev, dtype=dt)
+        drafter = load_drafter(draft_path, device=dev, dtype=dt).fuse_context_kv()
         drafter.check_target(config, target.num_layers, target.config.vocab_size)
         registry.warn_if_other_target(drafter, name, config)
         pipe.drafter, pipe.draft_path = drafter, draft_path

@@ -309,6 +309,7 @@ class Engine:
         self.recent: deque[dict] = deque(maxlen=config.recent)
         self.tokenizer_lock = threading.Lock()  # the handlers encode while the worker decodes
         self.target_s_per_token: float | None = None  # learned from target-only decoding, for the controller
+        self.fallback_carry: dict | None = None  # the last request fell back: the next starts fallen back too
         self._costs: dict[int, float] | None = None  # seconds per cycle by block size (--adaptive)
         self.stopping = False
         self.metrics = Metrics(self)
@@ -419,7 +420,8 @@ class Engine:
         # A seeded sampled request runs a fixed schedule: the random draws depend on the block sizes,
         # and the controller's choices depend on timing, so it would break reproducibility.
         if use_draft and self.config.fallback and (job.sampler.greedy or job.sampler.seed is None):
-            job.controller = FallbackController(target_s_per_token=self.target_s_per_token)
+            job.controller = FallbackController(target_s_per_token=self.target_s_per_token,
+                                                carried=self.fallback_carry)
             if self.config.adaptive and self.config.block_size is None:
                 if self._costs is None:  # measured once, on the first request that can use it
                     self._costs = calibrate(pipe.target, pipe.drafter)
@@ -464,6 +466,8 @@ class Engine:
         m.sync_live(job)
         if job.controller and job.controller.plain:  # timed like speculative cycles (consumer time excluded)
             self.target_s_per_token = job.controller.target_s_per_token
+        if job.controller and status != 500:
+            self.fallback_carry = job.controller.carry()
         self._finish(job, finish, status)
 
     def _finish(self, job: Job, finish: str, status: int) -> None:
@@ -565,6 +569,9 @@ class Metrics:
                 log.info("%s: speculation %.2f ms/token vs target %.2f ms/token at token %d: target-only, "
                          "probing again in %d tokens", job.id, e["spec_ms_per_token"], e["target_ms_per_token"],
                          e["token"], e["probe_in_tokens"])
+            elif e["event"] == "carried":
+                log.info("%s: starts target-only (speculation was slower in an earlier request), probing in %d "
+                         "tokens", job.id, e["probe_in_tokens"])
             else:
                 log.info("%s: %s speculation at token %d", job.id, e["event"], e["token"])
         seen["events"] = len(events)

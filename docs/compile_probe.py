@@ -52,8 +52,9 @@ def main() -> None:
     p.add_argument("--whole", action="store_true", help="compile the whole forward (dynamic shapes)")
     p.add_argument("--contexts", default="128,1024")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     target = load(None, None, "cpu", "float32", quiet=True, quantize=args.quantize).target
     eager_forward = target.forward
     compiled = {"on": False}
@@ -79,13 +80,15 @@ def main() -> None:
         cache = target.new_cache(context + steps + 1)
         prompt = torch.randint(0, 1000, (1, context), generator=torch.Generator().manual_seed(0))
         eager_forward(prompt, cache)
-        token, out, times = torch.tensor([[5]]), [], []
+        token, out, times, logits = torch.tensor([[5]]), [], [], []
         for _ in range(steps):
             t0 = time.perf_counter()
-            token = target(token, cache, logits="last").logits.argmax(-1)
+            lg = target(token, cache, logits="last").logits
+            token = lg.argmax(-1)
             times.append(time.perf_counter() - t0)
             out.append(int(token))
-        return out, times
+            logits.append(lg)
+        return out, times, torch.cat(logits)
 
     compiled["on"] = True
     t0 = time.perf_counter()
@@ -93,11 +96,12 @@ def main() -> None:
     print(f"compile (first two steps): {time.perf_counter() - t0:.1f} s", flush=True)
     for context in [int(c) for c in args.contexts.split(",")]:
         compiled["on"] = False
-        ref, eager_t = decode(context, args.steps)
+        ref, eager_t, ref_logits = decode(context, args.steps)
         compiled["on"] = True
-        out, comp_t = decode(context, args.steps)
+        out, comp_t, logits = decode(context, args.steps)
         e, c = (statistics.median(t[2:]) * 1e3 for t in (eager_t, comp_t))
-        print(f"context {context}: eager {e:.2f} ms/token, compiled {c:.2f} ms/token, same tokens: {out == ref}",
+        print(f"context {context}: eager {e:.2f} ms/token, compiled {c:.2f} ms/token, same tokens: {out == ref}, "
+              f"max logit difference {(logits - ref_logits).abs().max().item():.2e}",
               flush=True)
 
 

@@ -116,9 +116,15 @@ def test_target_layer_ids_rule():
     assert build_target_layer_ids(30, 1) == [15]
 
 
-def test_zlab_drafter_forward_matches_reference(zlab):
+@pytest.mark.parametrize("fused", [False, True])
+def test_zlab_drafter_forward_matches_reference(zlab, fused):
+    """Also with every layer's context k/v from one matmul (`fuse_context_kv`, what `load` does)."""
     target = _ours(zlab / "target")
     drafter = load_drafter(zlab / "draft")
+    if fused:
+        drafter.fuse_context_kv()
+        assert drafter.ctx_kv_weight.shape[0] == 2 * sum(la.self_attn.k_proj.out_features for la in drafter.layers)
+        assert not any(k.startswith("ctx_kv") for k in drafter.state_dict())  # never saved
     assert drafter.target_layer_ids == [1, 5]
     assert drafter.block_size == 8 and drafter.mask_token_id == 511
     v = load_file(str(zlab / "forward_vector.safetensors"))
@@ -133,10 +139,13 @@ def test_zlab_drafter_forward_matches_reference(zlab):
     torch.testing.assert_close(logits, v["draft_logits"], rtol=1e-5, atol=1e-4)
 
 
-def test_zlab_drafter_cached_forward_equals_uncached(zlab):
+@pytest.mark.parametrize("fused", [False, True])
+def test_zlab_drafter_cached_forward_equals_uncached(zlab, fused):
     """Feeding the context in two cycles through the draft cache gives the same block outputs."""
     target = _ours(zlab / "target")
     drafter = load_drafter(zlab / "draft")
+    if fused:
+        drafter.fuse_context_kv()
     v = load_file(str(zlab / "forward_vector.safetensors"))
     ctx = v["target_hidden"]
     emb = target.embed_tokens(v["noise_ids"])

@@ -466,10 +466,19 @@ def test_acceptance_collapse_falls_back_to_target_only(pipe):
         assert row["mode"] == "dflash+fallback" and row["acceptance_rate"] == 0 and row["lookup_cycles"] == 0
         assert row["fallback_events"][0]["event"] == "fallback"
         assert 'dflash_fallback_events_total{event="fallback"}' in httpx.get(base + "/metrics").text
+        # the next request starts where this one ended: target-only, probing when the probe is due
+        carried = row["fallback_events"][-1]
+        r = client(base).chat.completions.create(model="t", messages=MSGS, max_tokens=80)
+        assert r.choices[0].message.content == want.text
+        row = metrics_json(base)["recent"][-1]
+        assert row["mode"] == "dflash+fallback" and row["fallback_events"][0]["event"] == "carried"
+        if carried["event"] == "fallback":  # no probe since: the gap left is what the last request left
+            left = carried["token"] + carried["probe_in_tokens"] - 79  # the controller sees 79 (not the prefill's)
+            assert row["fallback_events"][0]["probe_in_tokens"] == left
 
 
 def test_fallback_controller_policy():
-    c = FallbackController(window=4, measure_steps=2, probe_after=10)
+    c = FallbackController(window=4, measure_steps=2, probe_after=10, probe_budget=100)  # gap: probe_after
     assert c.block_size(None) > 1
     for _ in range(5):  # the first cycle is skipped, then a window of slow speculative cycles
         c.observe(8, 1, 0.010)
@@ -483,6 +492,18 @@ def test_fallback_controller_policy():
     for _ in range(5):  # the probe is fast this time (its first cycle is not timed): speculation resumes
         c.observe(8, 5, 0.004)
     assert c.state == "speculate" and c.events[-1]["event"] == "resume" and c.fallbacks == 1
+    slower = FallbackController(window=4, target_s_per_token=0.002, probe_after=10, probe_budget=0.05)
+    for _ in range(5):  # each timed cycle lost 8 ms against 1 token at 2 ms: 32 ms, 5% of it is 320 tokens
+        slower.observe(8, 1, 0.010)
+    assert slower.state == "target" and slower.events[-1]["probe_in_tokens"] == 320
+    carry = slower.carry()
+    assert carry == {"probe_in_tokens": 320, "probe_after": 640}
+    nxt = FallbackController(carried=carry)
+    assert nxt.state == "target" and nxt.block_size(None) == 1 and nxt.fallbacks == 1
+    for _ in range(320):
+        nxt.observe(1, 1, 0.002)
+    assert nxt.state == "speculate" and nxt.events[-1] == {"event": "probe", "token": 320}
+    assert FallbackController().carry() is None
     fast = FallbackController(window=4, target_s_per_token=0.002)  # a known baseline: no measuring
     for _ in range(20):
         fast.observe(8, 4, 0.004)
