@@ -481,6 +481,7 @@ def machine_info(pipe) -> dict:
         "device": str(pipe.device),
         "dtype": str(pipe.dtype).removeprefix("torch."),
         "quantize": getattr(pipe, "quantize", None),
+        "cuda_graphs": type(pipe.target).__name__ == "GraphedTarget",
         "platform": platform.platform(),
         "python": platform.python_version(),
         "memory": "torch.cuda.max_memory_allocated" if pipe.device.type == "cuda" else "peak RSS of the process",
@@ -537,7 +538,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out_dir = Path(args.out).expanduser() if args.out else None
     log = lambda msg: print(f"dflash bench: {msg}", file=sys.stderr)
 
-    pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize)
+    pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
+                cuda_graphs=args.cuda_graphs)
     encoded = {name: [(p, encode(pipe, p)) for p in ps] for name, ps in suites.items()}
     lookup_only = pipe.drafter is None and args.lookup is True  # --no-draft --lookup: prompt lookup alone
     engines = ["baseline"] + (["dflash"] if pipe.drafter is not None or lookup_only else [])

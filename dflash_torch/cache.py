@@ -46,6 +46,16 @@ class KVCache:
         values[:, :, start:end].copy_(v)
         return keys[:, :, :end], values[:, :, :end]
 
+    def write_at(
+        self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, Hkv, T, D] at `positions` [T] (a device tensor: no host sync, so a CUDA graph can
+        hold it); return the whole buffers [B, Hkv, S, D] (the caller masks what is not written yet)."""
+        keys, values = self.k_layers[layer], self.v_layers[layer]
+        keys.index_copy_(2, positions, k)
+        values.index_copy_(2, positions, v)
+        return keys, values
+
     def crop(self, length: int) -> None:
         """Forget every position at or after `length` (rollback)."""
         if not 0 <= length <= self.max_len:

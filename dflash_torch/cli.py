@@ -20,6 +20,8 @@ def _common_model_args(p: argparse.ArgumentParser, draft: bool = True, decoding:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--quantize", default=None, choices=["int8", "int4"],
                    help="weight-only int8 or int4 (CPU) linear layers in the target (default: off)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay the target's decode and verify passes as CUDA graphs (CUDA, Llama-family targets)")
     if draft and decoding:  # how generation runs: not for commands that only time passes
         p.add_argument("--adaptive", action="store_true",
                        help="pick the block size per cycle from measured costs and acceptance")
@@ -55,7 +57,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     sampler = Sampler(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
-    pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize)
+    pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
+                cuda_graphs=args.cuda_graphs)
     if args.prompt_ids is not None:
         prompt = _parse_ids(args.prompt_ids)
     else:

@@ -79,12 +79,15 @@ def load(
     dtype: str = "auto",
     quiet: bool = False,
     quantize: str | None = None,
+    cuda_graphs: bool = False,
 ) -> Pipeline:
     """Load a target and its drafter.
 
     model: None (embedded default), a directory, a .gguf file or a hub id. draft: "auto" (the
     registered drafter for this model, if any), None (no drafter), or a directory / hub id.
     quantize: None, "int8" or "int4" (weight-only quantized linear layers in the target; int4: CPU only).
+    cuda_graphs: replay the target's decode and verify passes as CUDA graphs (cudagraph.py; CUDA,
+    Llama-family targets). The performance switches live here, and none changes greedy output.
     """
     dev = loading.pick_device(device)
     dt = loading.pick_dtype(dtype, dev)
@@ -102,6 +105,10 @@ def load(
         quantize_int4(target)
     elif quantize is not None:
         raise ValueError(f"unknown quantization {quantize!r} (choose int8 or int4)")
+    if cuda_graphs:
+        from .cudagraph import GraphedTarget
+
+        target = GraphedTarget(target)
     tokenizer = loading.load_tokenizer(path)
     config = json.loads((path / "config.json").read_text())
     config = config.get("text_config") or config  # multimodal checkpoints: the language model's settings

@@ -87,7 +87,7 @@ class Attention(nn.Module):
         self.no_window = c.sliding_window is None
         self.qkv_proj = None  # [q; k; v] as one layer, set by quantize.fuse_projections
 
-    def forward(self, x, cos, sin, cache: KVCache, start: int, mask):
+    def forward(self, x, cos, sin, cache: KVCache, start: int | torch.Tensor, mask):
         b, t, _ = x.shape
         h, hkv, d = self.n_heads, self.n_kv, self.head_dim
         if self.qkv_proj is not None and not self.qk_norm:
@@ -106,6 +106,9 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
             k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        if isinstance(start, torch.Tensor):  # static shapes (cudagraph.py): start = the T positions
+            k, v = cache.write_at(self.layer, start, k, v.transpose(1, 2))  # the whole cache [B, Hkv, S, D]
+            return self.o_proj(attend(q, k, v, mask, self.scale))
         k, v = cache.write(self.layer, start, k, v.transpose(1, 2))  # [B, Hkv, start + T, D]
         if self.exact_verify and 1 < t <= EXACT_VERIFY_MAX_T and self.no_window:
             return self.o_proj(attend_each_query(q, k, v, start, self.scale))
@@ -182,28 +185,37 @@ class Model(nn.Module):
         cache: KVCache,
         logits: str | None = "last",
         taps: tuple[int, ...] | list[int] = (),
+        positions: torch.Tensor | None = None,
     ) -> Output:
         """Run `input_ids` [B, T] at positions [cache.length, cache.length + T) and advance the cache.
 
         `logits`: "all", "last" or None. `taps`: target layer ids whose outputs to return
         (the output of layer i, i.e. transformers' hidden_states[i + 1]).
+        `positions` [T] (static shapes, for CUDA graphs): run at these positions instead, attending over
+        the whole cache with a mask; nothing depends on a Python int and `cache.length` is left to the caller.
         """
         start, t = cache.length, input_ids.shape[1]
-        positions = torch.arange(start, start + t, device=input_ids.device)
-        cos, sin = self.rotary(positions, self.model.embed_tokens.weight.dtype)
         window = self.config.sliding_window
-        # Decode (T == 1) sees every cached key: no mask needed unless a window cuts them off.
-        mask = None
-        if t > 1 or (window is not None and start + t > window):
-            k_pos = torch.arange(start + t, device=input_ids.device)
-            mask = attention_mask(positions, k_pos, causal=True, window=window)
+        if positions is not None:
+            k_pos = torch.arange(cache.max_len, device=input_ids.device)
+            mask = attention_mask(positions, k_pos, causal=True, window=window)  # [T, S]
+            start = positions
+        else:
+            positions = torch.arange(start, start + t, device=input_ids.device)
+            # Decode (T == 1) sees every cached key: no mask needed unless a window cuts them off.
+            mask = None
+            if t > 1 or (window is not None and start + t > window):
+                k_pos = torch.arange(start + t, device=input_ids.device)
+                mask = attention_mask(positions, k_pos, causal=True, window=window)
+        cos, sin = self.rotary(positions, self.model.embed_tokens.weight.dtype)
         x = self.model.embed_tokens(input_ids)  # [B, T, H]
         tapped = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, start, mask)
             if i in taps:
                 tapped[i] = x
-        cache.length = start + t
+        if not isinstance(start, torch.Tensor):
+            cache.length = start + t
         hidden = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         out = None
         if logits == "last":

@@ -61,6 +61,7 @@ class ServerConfig:
     device: str = "auto"
     dtype: str = "auto"
     quantize: str | None = None  # "int8" or "int4": weight-only quantized target
+    cuda_graphs: bool = False  # decode/verify passes replayed as CUDA graphs
     adaptive: bool = False  # adaptive block size (inside the fallback's decision)
     fallback: bool = True  # target-only fallback when speculation is slower
     lookup: bool | None = None  # prompt-lookup drafts beside the drafter (None: on whenever the drafter is)
@@ -663,7 +664,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
     from starlette.exceptions import HTTPException
 
     config = config or ServerConfig()
-    loader = loader or (lambda: load(config.model, config.draft, config.device, config.dtype, quantize=config.quantize))
+    loader = loader or (lambda: load(config.model, config.draft, config.device, config.dtype, quantize=config.quantize,
+                                     cuda_graphs=config.cuda_graphs))
     engine = Engine(config, loader, on_load_error)
 
     @asynccontextmanager
@@ -897,7 +899,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model, draft=None if args.no_draft else args.draft, host=args.host, port=args.port,
         fastpath_max_tokens=args.fastpath_max_tokens, api_key=args.api_key, max_tokens=args.max_tokens,
         block_size=args.block_size, max_queue=args.max_queue, device=args.device, dtype=args.dtype,
-        quantize=getattr(args, "quantize", None), adaptive=getattr(args, "adaptive", False),
+        quantize=getattr(args, "quantize", None), cuda_graphs=getattr(args, "cuda_graphs", False),
+        adaptive=getattr(args, "adaptive", False),
         lookup=getattr(args, "lookup", None),
     )
     failed: list[BaseException] = []

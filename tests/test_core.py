@@ -207,6 +207,9 @@ def test_cli_errors_are_messages_not_tracebacks(zlab, capsys, tmp_path):
     assert "context" in capsys.readouterr().err
     assert main(["generate", "--model", str(zlab / "target"), "--draft", str(tmp_path), "--prompt-ids", "1"]) == 2
     assert "config.json" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["generate", "--model", str(zlab / "target"), "--prompt-ids", "1", "--cuda-graphs"]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
 
 
 def test_drafter_mismatch_fails_at_load(zlab, tiny_models):

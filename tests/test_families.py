@@ -379,3 +379,12 @@ def test_fused_mlp_changes_nothing(families, name, quant):
             out += [m(torch.tensor([[t]]), c, logits="all").logits for t in prompt[:4]]
             logits.append(torch.cat(out, dim=1))
     assert torch.equal(logits[0], logits[1])
+
+
+def test_cuda_graphs_refuse_other_families(families):
+    """--cuda-graphs covers Llama-family targets; the others say so instead of failing mid-generation."""
+    from dflash_torch.cudagraph import GraphedTarget
+
+    for name in ("qwen3_5", "gemma4", "gemma3"):
+        with pytest.raises(ValueError, match="Llama-family"):
+            GraphedTarget(families[name][2], use_graphs=False)
