@@ -15,7 +15,8 @@ Artifacts (--out DIR): results.json, summary.md, throughput.png, acceptance.png.
   fallback, adaptive, ...}, and
   runs: one per suite x length with suite, max_tokens, prompts, baseline_tok_s, dflash_tok_s, speedup,
   acceptance_length_mean, acceptance_rate, acceptance_per_position, ttft_s, peak_memory_mb, hf_tok_s,
-  hf_prompt_lookup_tok_s, llamacpp_tok_s, outputs_match, lookup_passes, lookup_accepted_share, per_prompt, ...
+  hf_prompt_lookup_tok_s, llamacpp_tok_s, outputs_match, lookup_passes, lookup_accepted_share,
+  verify_widths {width: passes; 1 = a plain step}, per_prompt, ...
   (null where not measured).
 """
 
@@ -392,6 +393,8 @@ class Row:
             "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)],
             "drafted_per_position": drafted,
             "verify_passes": len(lengths),
+            # passes per width (1 = a plain step): what the fallback, --adaptive and prompt lookup chose
+            "verify_widths": _sum_widths(self.stats),
             "lookup_passes": sum(s.lookup_cycles for s in self.stats),
             # share of the accepted drafted tokens that came from prompt lookup (the rest: the drafter)
             "lookup_accepted_share": _r(lookup_kept / kept_all, 4) if kept_all else None,
@@ -650,6 +653,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results))
     return 0
+
+
+def _sum_widths(stats: list) -> dict[str, int]:
+    total: dict[int, int] = {}
+    for s in stats:
+        for w, n in s.widths.items():
+            total[w] = total.get(w, 0) + n
+    return {str(w): n for w, n in sorted(total.items())}
 
 
 def warmup_request(rows: list[Row]) -> tuple[list[int], int]:

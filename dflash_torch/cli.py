@@ -112,7 +112,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                         "prefill_s", "decode_tok_s")} | {
                 "acceptance_per_position": d["acceptance_per_position"], "block_size": d["block_size"],
                 "mode": d["mode"], "prompt_tokens": d["prompt_tokens"], "lookup_cycles": d["lookup_cycles"],
-                "lookup_drafted": d["lookup_drafted"], "lookup_accepted": d["lookup_accepted"]},
+                "lookup_drafted": d["lookup_drafted"], "lookup_accepted": d["lookup_accepted"],
+                "verify_widths": d["verify_widths"]},
         }
         if adaptive is not None:
             used = adaptive.history

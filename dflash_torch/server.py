@@ -294,6 +294,7 @@ class Job:
             "elapsed_s": round(now - self.created, 4),
             "fallback_events": list(self.controller.events) if self.controller else [],
             "lookup_cycles": s.lookup_cycles, "lookup_accepted": s.lookup_accepted,
+            "verify_widths": {str(w): n for w, n in sorted(s.widths.items())},
         }
 
 

@@ -43,6 +43,7 @@ class Stats:
     lookup_cycles: int = 0  # verify passes whose draft came from prompt lookup
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    widths: dict[int, int] = field(default_factory=dict)  # verify passes per width (1 = a plain step)
 
     @property
     def acceptance_length_mean(self) -> float:
@@ -64,6 +65,7 @@ class Stats:
 
     def record_cycle(self, drafted: int, accepted: int, committed: int) -> None:
         self.cycles += 1
+        self.widths[drafted + 1] = self.widths.get(drafted + 1, 0) + 1
         self.acceptance_lengths.append(committed)
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
@@ -92,6 +94,7 @@ class Stats:
             "lookup_cycles": self.lookup_cycles,
             "lookup_drafted": self.lookup_drafted,
             "lookup_accepted": self.lookup_accepted,
+            "verify_widths": {str(w): n for w, n in sorted(self.widths.items())},
         }
 
 

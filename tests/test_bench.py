@@ -84,6 +84,8 @@ def test_bench_end_to_end(zlab, tmp_path, capsys):
         assert 1 <= r["acceptance_length_mean"] <= r["block_size"] == 8
         assert len(r["acceptance_per_position"]) == min(r["block_size"], r["max_tokens"] - 1) - 1
         assert all(0 <= a <= 1 for a in r["acceptance_per_position"])
+        assert sum(r["verify_widths"].values()) == r["verify_passes"]  # every pass counted at its width
+        assert all(1 <= int(w) <= 8 for w in r["verify_widths"])
         assert r["ttft_s"] > 0 and r["peak_memory_mb"] > 0
         assert r["hf_tok_s"] is None and r["llamacpp_tok_s"] is None
         assert [p["id"] for p in r["per_prompt"]] == ["p0", "p1"]

@@ -121,9 +121,11 @@ def test_adaptive_block_size_is_lossless_and_adapts(pair):
             super().observe(block_size, committed, self.costs[block_size] if block_size in self.costs else seconds)
 
     good = Frozen(dict(costs), 8)
-    out, _ = _gen(target, prompt, 120, OracleDrafter(truth, 3, 256, 0.0, 8), good, bs=8)
+    out, stats = _gen(target, prompt, 120, OracleDrafter(truth, 3, 256, 0.0, 8), good, bs=8)
     assert out == ref
     assert good.history.count(8) > 0.8 * len(good.history)
+    # the stats count the widths that ran (the last cycle may be clipped by the tokens left)
+    assert sum(stats.widths.values()) == len(good.history) and stats.widths[8] >= good.history.count(8) - 1
 
     bad = Frozen(dict(costs), 8)
     out, stats = _gen(target, prompt, 120, OracleDrafter(truth, 3, 256, 1.0, 8), bad, bs=8)
