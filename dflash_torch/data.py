@@ -203,8 +203,8 @@ def generated_features(hidden_states, taps: list[int], row: int, n_prompt: int, 
     it is never context (anchors stop one token before the end)."""
     prompt = torch.cat([hidden_states[0][i + 1][row, -n_prompt:] for i in taps], dim=-1)
     steps = [torch.cat([hidden_states[s][i + 1][row] for i in taps], dim=-1) for s in range(1, n_resp)]
-    last = torch.zeros(1, prompt.shape[-1])
-    return torch.cat([prompt, *steps, last]).to(torch.bfloat16)
+    last = torch.zeros(1, prompt.shape[-1], dtype=prompt.dtype, device=prompt.device)
+    return torch.cat([prompt, *steps, last]).to(torch.bfloat16).cpu()
 
 
 def shard_index(out: str | Path, with_features: bool = True) -> tuple[list[dict], list[tuple[Path, int]], dict]:
@@ -276,6 +276,7 @@ def generate_dataset(
     features: bool = True,
     threads: int | None = None,
     dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> None:
     """Regenerate replies to `prompts` with the target (transformers' batched generate, left padding)
     and write them in shards of `shard_size` records with their tap features, taken from the hidden
@@ -330,7 +331,8 @@ def generate_dataset(
 
     # bfloat16 generates several times faster on CPUs with bf16 dot products; its greedy replies can
     # differ from float32's at near-ties, which matters little for training data.
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    dev = loading.pick_device(device)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(dev)
     gen_kw = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=sorted(stops),
                   return_dict_in_generate=True, output_hidden_states=features)
     if temperature > 0:
@@ -354,7 +356,7 @@ def generate_dataset(
                     input_ids[i, width - len(ids) :] = torch.tensor(ids)
                     attn[i, width - len(ids) :] = 1
                 with torch.inference_mode():
-                    res = hf.generate(input_ids=input_ids, attention_mask=attn, **gen_kw)
+                    res = hf.generate(input_ids=input_ids.to(dev), attention_mask=attn.to(dev), **gen_kw)
                 gen = res.sequences[:, width:]
                 for r, ((key, ids), row) in enumerate(zip(rows, gen.tolist())):
                     resp = []
@@ -398,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="generation dtype (bfloat16 is several times faster on CPUs with bf16 support)")
+    p.add_argument("--device", default="cpu", help="where replies are generated: cpu, cuda, cuda:N, auto")
     a = p.parse_args(argv)
     prompts = jsonl_prompts(a.prompts) if a.prompts else sharegpt_prompts("train")
     prompts = prompts[a.skip :]
@@ -408,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         a.out, prompts, a.model, batch=a.batch, shard_size=a.shard_size, max_prompt_tokens=a.max_prompt_tokens,
         max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, taps=taps,
         features=not a.no_features, threads=a.threads,
-        dtype=getattr(torch, a.dtype),
+        dtype=getattr(torch, a.dtype), device=a.device,
     )
     return 0
 
