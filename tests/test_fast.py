@@ -237,7 +237,8 @@ def test_static_shapes_keep_speculative_equal_to_target_only(pair, tiny_models):
     from dflash_torch.cudagraph import GraphedTarget
 
     path, dpath = pair
-    target = GraphedTarget(loading.load_target(path, torch.device("cpu"), torch.float32), use_graphs=False)
+    plain = loading.load_target(path, torch.device("cpu"), torch.float32)
+    target = GraphedTarget(plain, use_graphs=False)
     drafter = load_drafter(dpath)
     rng = random.Random(8)
     checked = 0
@@ -248,6 +249,7 @@ def test_static_shapes_keep_speculative_equal_to_target_only(pair, tiny_models):
         if not clear_margins(target, prompt, ref):
             continue
         checked += 1
+        assert _gen(plain, prompt, 20)[0] == ref  # the switch itself changes no greedy token
         assert _gen(target, prompt, 20, drafter)[0] == ref
         out, stats = _gen(target, prompt, 20, OracleDrafter(truth, len(prompt), 256, 0.0, 8))
         assert out == ref and stats.acceptance_rate == 1.0
