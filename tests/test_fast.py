@@ -289,7 +289,14 @@ def test_cuda_graph_replay_equals_eager(pair):
             assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert graphed.replays > 0
     drafter = load_drafter(dpath, device=dev)
-    for _ in range(4):
+    checked = 0
+    for _ in range(40):
         prompt = [rng.randrange(255) for _ in range(rng.randint(2, 10))]
         ref, _ = _gen(graphed, prompt, 24)
+        if not clear_margins(graphed, prompt, ref):  # widths 1 and 8 may round a near-tie apart on a GPU
+            continue
+        checked += 1
         assert _gen(graphed, prompt, 24, drafter)[0] == ref
+        if checked == 4:
+            break
+    assert checked == 4
