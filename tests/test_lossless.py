@@ -30,7 +30,8 @@ def clear_margins(target, prompt: list[int], completion: list[int], margin: floa
     On a closer call the 1-position and many-position passes may round to different winners, which
     says nothing about the loop; such cases are skipped by the tests that compare exact tokens."""
     cache = target.new_cache(len(prompt) + len(completion))
-    logits = target(torch.tensor([prompt + completion]), cache, logits="all").logits[0, len(prompt) - 1:]
+    ids = torch.tensor([prompt + completion], device=target.embed_tokens.weight.device)
+    logits = target(ids, cache, logits="all").logits[0, len(prompt) - 1:]
     top = logits.float().topk(2, dim=-1).values
     return bool(((top[:, 0] - top[:, 1]) > margin * top[:, 0].abs().clamp_min(1.0)).all())
 
