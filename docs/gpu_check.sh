@@ -34,9 +34,10 @@ TRAIN_BATCH=${GPU_TRAIN_BATCH:-256}
 prepare() {
     mkdir -p "$DIR/whl"
     grep -qx "/$DIR/" .git/info/exclude 2>/dev/null || echo "/$DIR/" >> .git/info/exclude
-    # what the server, the GGUF loader and the tests need beyond a stock PyTorch + transformers image
+    # what the server, the GGUF loader, the tests and the Qwen3.5 CUDA path (fla) need beyond a stock
+    # PyTorch + transformers image
     local pkgs=(fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection gguf openai
-                distro jiter sniffio)
+                distro jiter sniffio flash-linear-attention fla-core)
     local plats=()
     for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
              manylinux1_x86_64 any; do plats+=(--platform "$p"); done
