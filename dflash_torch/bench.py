@@ -708,6 +708,8 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
               "Accept rate", "TTFT ms", "Peak MB"]
     lookup = any(r.get("lookup_passes") for r in results["runs"])
     header += ["From lookup"] if lookup else []
+    widths = any(r.get("verify_widths") for r in results["runs"])
+    header += ["Widths"] if widths else []  # verify passes by width, most used first
     header += [{"hf_tok_s": "HF tok/s", "hf_prompt_lookup_tok_s": "HF PLD tok/s",
                 "llamacpp_tok_s": "llama.cpp tok/s"}[k] for k in peers]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
@@ -722,8 +724,16 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
             fmt(None if r["ttft_s"] is None else 1000 * r["ttft_s"], ".0f"), fmt(r["peak_memory_mb"], ".0f"),
         ] + ([fmt(None if r.get("lookup_accepted_share") is None else 100 * r["lookup_accepted_share"], ".0f")
               + ("%" if r.get("lookup_accepted_share") is not None else "")] if lookup else [])
+          + ([_widths_cell(r.get("verify_widths") or {})] if widths else [])
           + [fmt(r[k], ".1f") for k in peers])
     return header, cells
+
+
+def _widths_cell(widths: dict[str, int], top: int = 3) -> str:
+    """'1:1786 2:377 4:143 ...': the most used verify widths with their pass counts."""
+    ranked = sorted(widths.items(), key=lambda kv: -kv[1])
+    cell = " ".join(f"{w}:{n}" for w, n in ranked[:top])
+    return (cell + " ...") if len(ranked) > top else (cell or "-")
 
 
 def _title(results: dict) -> str:
