@@ -53,6 +53,8 @@ def check_artifacts(out: Path, data: dict) -> None:
     assert json.loads((out / "results.json").read_text()) == data
     summary = (out / "summary.md").read_text()
     assert data["command"] in summary and "| Suite |" in summary
+    if any(r.get("verify_widths") for r in data["runs"]):  # the most used widths, e.g. "8:12 1:3"
+        assert "| Widths |" in summary
     for name in ("throughput.png", "acceptance.png"):
         blob = (out / name).read_bytes()
         assert blob[:8] == PNG_MAGIC and len(blob) > 5000, name
