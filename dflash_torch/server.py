@@ -312,6 +312,7 @@ class Engine:
         self.tokenizer_lock = threading.Lock()  # the handlers encode while the worker decodes
         self.target_s_per_token: float | None = None  # learned from target-only decoding, for the controller
         self.fallback_carry: dict | None = None  # the last request fell back: the next starts fallen back too
+        self.lookup_costs: dict[int, float] = {}  # seconds per verify width, measured by prompt lookup
         self._costs: dict[int, float] | None = None  # seconds per cycle by block size (--adaptive)
         self.stopping = False
         self.metrics = Metrics(self)
@@ -437,6 +438,8 @@ class Engine:
             block_size=self.config.block_size, stop_token_ids=pipe.stop_token_ids, sampler=job.sampler,
             stats=job.stats, controller=job.controller,
             lookup=not job.fastpath and (use_draft if self.config.lookup is None else self.config.lookup),
+            # timings carried over would steer a seeded sampled request's widths: it measures its own
+            lookup_costs=self.lookup_costs if job.sampler.greedy or job.sampler.seed is None else None,
         )
         try:
             for token in gen:

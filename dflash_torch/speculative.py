@@ -116,6 +116,7 @@ def generate_tokens(
     stats: Stats | None = None,
     controller=None,
     lookup: bool = False,
+    lookup_costs: dict[int, float] | None = None,
 ) -> Iterator[int]:
     """Yield the target's tokens one by one as they are decided; stop after a stop token or
     `max_new_tokens`. With a drafter, decide them by speculative decoding; `stats` is filled in.
@@ -123,7 +124,9 @@ def generate_tokens(
     `controller` (optional) picks the block size of each drafter cycle: `controller.block_size(stats)`
     before it (1 = a plain target step, which still feeds the drafter's context so speculation can
     resume), `controller.observe(block_size, committed, seconds)` after it. `lookup`: also propose
-    drafts by prompt lookup (`lookup.PromptLookup`), with or without a drafter. Output depends on neither.
+    drafts by prompt lookup (`lookup.PromptLookup`), with or without a drafter. `lookup_costs`: seconds per
+    verify width that prompt lookup has measured, shared with (and updated for) later generations, so a
+    server does not measure them again for every request. Output depends on none of these.
     """
     stats = stats if stats is not None else Stats()
     sampler = sampler or Sampler()
@@ -176,6 +179,8 @@ def generate_tokens(
         # running torch.cat copied the whole backlog every step while the fallback kept it off
         pending = [out.hidden]
     finder = PromptLookup([*prompt, token], max_draft=lookup_width) if lookup else None
+    if finder is not None and lookup_costs is not None:
+        finder.costs = lookup_costs  # the same dict: what this generation measures, the next one knows
     dflash_mean = 0.0  # running mean of drafted tokens kept per drafter cycle
     while True:
         remaining = max_new_tokens - stats.generated_tokens

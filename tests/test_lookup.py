@@ -163,3 +163,17 @@ def test_unchecked_positions_are_valued_geometrically():
         widths.append(k)
         lk.observe(k + 1, k + 1)  # the k drafted tokens and the bonus position all kept
     assert 0 < widths[0] < 4 and widths[-1] == 15 and widths == sorted(widths)
+
+
+def test_lookup_costs_carry_over_between_generations(llama_and_drafter):
+    """`lookup_costs` is shared and updated: what one generation measured steers the next one's widths
+    (a server measures verify widths once, not per request); output is unchanged either way."""
+    target, _ = llama_and_drafter
+    prompt = [3, 4, 5, 6] * 6
+    want, _ = _run(target, prompt, 30)
+    costs: dict[int, float] = {}
+    out, s = _run(target, prompt, 30, lookup=True, lookup_costs=costs)
+    assert out == want and s.lookup_cycles > 0 and 1 in costs and len(costs) > 1  # measured, in the shared dict
+    known = {1: 1e-3} | {w: 1e3 for w in range(2, 17)}  # drafts priced out: every cycle is a plain step
+    out, s = _run(target, prompt, 30, lookup=True, lookup_costs=known)
+    assert out == want and s.lookup_cycles == 0 and known[2] == 1e3
