@@ -484,7 +484,7 @@ def machine_info(pipe) -> dict:
         "device": str(pipe.device),
         "dtype": str(pipe.dtype).removeprefix("torch."),
         "quantize": getattr(pipe, "quantize", None),
-        "cuda_graphs": type(pipe.target).__name__ == "GraphedTarget",
+        "cuda_graphs": getattr(pipe.target, "use_graphs", False),  # a cudagraph.GraphedTarget
         "platform": platform.platform(),
         "python": platform.python_version(),
         "memory": "torch.cuda.max_memory_allocated" if pipe.device.type == "cuda" else "peak RSS of the process",

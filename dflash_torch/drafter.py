@@ -185,8 +185,7 @@ class DFlashDrafter(nn.Module):
         ctx_kv = [None] * len(self.layers)
         if self.ctx_kv_weight is not None:
             kv = F.linear(ctx, self.ctx_kv_weight, self.ctx_kv_bias)  # [B, Tc, L * 2 * Hkv * D]
-            sizes = [p.out_features for layer in self.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
-            parts = kv.split(sizes, dim=-1)
+            parts = kv.chunk(2 * len(self.layers), dim=-1)  # k, v of layer 0, k, v of layer 1, ...: all Hkv * D
             ctx_kv = [parts[2 * i : 2 * i + 2] for i in range(len(self.layers))]
         x = noise_embedding
         for layer, layer_kv in zip(self.layers, ctx_kv):

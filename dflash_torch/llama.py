@@ -196,10 +196,11 @@ class Model(nn.Module):
         """
         start, t = cache.length, input_ids.shape[1]
         window = self.config.sliding_window
-        if positions is not None:
+        static = positions is not None
+        if static:
             k_pos = torch.arange(cache.max_len, device=input_ids.device)
             mask = attention_mask(positions, k_pos, causal=True, window=window)  # [T, S]
-            start = positions
+            start = positions  # the layers write the cache at these positions
         else:
             positions = torch.arange(start, start + t, device=input_ids.device)
             # Decode (T == 1) sees every cached key: no mask needed unless a window cuts them off.
@@ -214,7 +215,7 @@ class Model(nn.Module):
             x = layer(x, cos, sin, cache, start, mask)
             if i in taps:
                 tapped[i] = x
-        if not isinstance(start, torch.Tensor):
+        if not static:
             cache.length = start + t
         hidden = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         out = None

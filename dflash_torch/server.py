@@ -282,19 +282,20 @@ class Job:
     def summary(self) -> dict:
         """This job as one row of /metrics?format=json (live while it runs)."""
         s, now = self.stats, time.perf_counter()
+        d = s.as_dict()
         return {
             "id": self.id, "endpoint": self.endpoint, "mode": self.mode,
             "prompt_tokens": len(self.prompt_ids), "completion_tokens": self.completion_tokens,
             "max_tokens": self.max_tokens, "decode_tok_s": round(s.decode_tok_s, 2),
             "acceptance_rate": round(s.acceptance_rate, 4),
             "acceptance_length_mean": round(s.acceptance_length_mean, 4),
-            "acceptance_per_position": s.as_dict()["acceptance_per_position"], "cycles": s.cycles,
+            "acceptance_per_position": d["acceptance_per_position"], "cycles": s.cycles,
             "queue_s": round((self.started or now) - self.created, 4),
             "ttft_s": round(self.first_token - self.created, 4) if self.first_token else None,
             "elapsed_s": round(now - self.created, 4),
             "fallback_events": list(self.controller.events) if self.controller else [],
             "lookup_cycles": s.lookup_cycles, "lookup_accepted": s.lookup_accepted,
-            "verify_widths": {str(w): n for w, n in sorted(s.widths.items())},
+            "verify_widths": d["verify_widths"],
         }
 
 
