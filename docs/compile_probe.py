@@ -4,6 +4,10 @@ Times greedy decode steps of the embedded default model, eager against compiled,
 `--contexts` random tokens, and checks that both emit the same tokens. Two ways of compiling:
 
   --whole   the whole `Model.forward` with dynamic shapes (the KV cache length is a Python int);
+  --static  the whole `Model.forward` in its static-shape mode (`positions=`, attention over the whole
+            cache through a mask, as for CUDA graphs): one graph for every step; add `--cpp-wrapper`
+            to run it from generated C++ instead of Python (inductor's `cpp_wrapper`, with
+            `emulate_precision_casts`);
   default   per decoder layer, only the pieces whose shapes are fixed for one token: norm + q/k/v
             projections + rotary before the cache write, o_proj + norm + MLP after attention. The
             cache write and attention (their length grows every step) stay eager.
@@ -50,6 +54,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quantize", default=None, choices=["int8", "int4"])
     p.add_argument("--whole", action="store_true", help="compile the whole forward (dynamic shapes)")
+    p.add_argument("--static", action="store_true", help="compile the whole forward in static-shape mode")
+    p.add_argument("--cpp-wrapper", action="store_true", help="with --static: inductor's C++ wrapper")
     p.add_argument("--contexts", default="128,1024")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
@@ -58,7 +64,25 @@ def main() -> None:
     target = load(None, None, "cpu", "float32", quiet=True, quantize=args.quantize).target
     eager_forward = target.forward
     compiled = {"on": False}
-    if args.whole:
+    contexts = [int(c) for c in args.contexts.split(",")]
+    capacity = max(contexts) + args.steps + 1  # --static: one cache shape for every context
+    if args.cpp_wrapper:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp_wrapper = True
+        inductor_config.emulate_precision_casts = True
+    if args.static:
+        static = torch.compile(eager_forward, dynamic=False)
+
+        def static_forward(ids, cache, logits="last"):
+            if not compiled["on"] or ids.shape[1] != 1:
+                return eager_forward(ids, cache, logits=logits)
+            out = static(ids, cache, logits=logits, positions=torch.tensor([cache.length]))
+            cache.length += 1
+            return out
+
+        target.forward = static_forward
+    elif args.whole:
         whole = torch.compile(eager_forward, dynamic=True)
         target.forward = lambda *a, **k: (whole if compiled["on"] else eager_forward)(*a, **k)
     else:
@@ -77,7 +101,7 @@ def main() -> None:
 
     @torch.inference_mode()
     def decode(context: int, steps: int) -> tuple[list[int], list[float]]:
-        cache = target.new_cache(context + steps + 1)
+        cache = target.new_cache(capacity if args.static else context + steps + 1)
         prompt = torch.randint(0, 1000, (1, context), generator=torch.Generator().manual_seed(0))
         eager_forward(prompt, cache)
         token, out, times, logits = torch.tensor([[5]]), [], [], []
@@ -94,7 +118,7 @@ def main() -> None:
     t0 = time.perf_counter()
     decode(128, 2)
     print(f"compile (first two steps): {time.perf_counter() - t0:.1f} s", flush=True)
-    for context in [int(c) for c in args.contexts.split(",")]:
+    for context in contexts:
         compiled["on"] = False
         ref, eager_t, ref_logits = decode(context, args.steps)
         compiled["on"] = True
