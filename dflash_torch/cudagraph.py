@@ -30,6 +30,8 @@ class GraphedTarget:
     static-shape passes, eager; this is what runs on a CPU, and what the graphs are checked against).
     Everything else (embed_tokens, lm_head, config, ...) is the wrapped model's."""
 
+    single_cache = True  # new_cache hands out the same cache again (a prefix cache must not keep it meanwhile)
+
     def __init__(self, target: Model, use_graphs: bool = True) -> None:
         if not isinstance(target, Model):
             raise ValueError(

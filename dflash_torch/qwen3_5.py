@@ -498,6 +498,31 @@ class HybridCache:
             self.recurrent[slot] = self._state_after(r, a)
         self.length = length
 
+    def can_crop(self, length: int) -> bool:
+        """Whether `crop(length)` can put the state back exactly (without doing it)."""
+        if length == self.length:
+            return True
+        start, steps = self._pass
+        a = length - start
+        if length > self.length or not 0 <= a <= steps:
+            return False
+        return all(r is None or a in (0, r.steps) or r.per_step is not None for r in self._records)
+
+    def state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of the conv and recurrent states (no position axis): what `restore` needs to come back
+        to this length later, after other passes (a prefix cache keeps one per prompt)."""
+        return [c.clone() for c in self.conv], [r.clone() for r in self.recurrent]
+
+    def restore(self, length: int, state: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+        """Go back to `length` positions, with the conv/recurrent `state` that `state()` saved there."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot restore to {length}: the cache holds {self.length} positions")
+        self.conv = [c.clone() for c in state[0]]  # copies: the saved state may be restored again
+        self.recurrent = [r.clone() for r in state[1]]
+        self._pass = (length, 0)
+        self._records = [None] * len(self._records)
+        self.length = length
+
     def _state_after(self, r: _PassRecord, a: int) -> torch.Tensor:
         if a == 0:
             return r.before

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .lookup import PromptLookup
+from .prefix_cache import PrefixCache, Session, capacity_for
 from .sampling import Sampler
 
 
@@ -43,6 +44,7 @@ class Stats:
     lookup_cycles: int = 0  # verify passes whose draft came from prompt lookup
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens a prefix cache already held (not prefilled)
     widths: dict[int, int] = field(default_factory=dict)  # verify passes per width (1 = a plain step)
 
     @property
@@ -79,6 +81,7 @@ class Stats:
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens,
             "cycles": self.cycles,
             "acceptance_length_mean": round(self.acceptance_length_mean, 4),
@@ -103,7 +106,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-@torch.inference_mode()
 def generate_tokens(
     target,
     prompt: list[int],
@@ -117,6 +119,7 @@ def generate_tokens(
     controller=None,
     lookup: bool = False,
     lookup_costs: dict[int, float] | None = None,
+    prefix: PrefixCache | None = None,
 ) -> Iterator[int]:
     """Yield the target's tokens one by one as they are decided; stop after a stop token or
     `max_new_tokens`. With a drafter, decide them by speculative decoding; `stats` is filled in.
@@ -126,8 +129,33 @@ def generate_tokens(
     resume), `controller.observe(block_size, committed, seconds)` after it. `lookup`: also propose
     drafts by prompt lookup (`lookup.PromptLookup`), with or without a drafter. `lookup_costs`: seconds per
     verify width that prompt lookup has measured, shared with (and updated for) later generations, so a
-    server does not measure them again for every request. Output depends on none of these.
+    server does not measure them again for every request. `prefix`: start from the cache of an earlier
+    generation that shares the prompt's beginning, and leave this one's there when done
+    (`prefix_cache.py`). Output depends on none of these.
     """
+    args = dict(max_new_tokens=max_new_tokens, drafter=drafter, block_size=block_size,
+                stop_token_ids=stop_token_ids, sampler=sampler, stats=stats, controller=controller,
+                lookup=lookup, lookup_costs=lookup_costs)
+    if prefix is None:
+        yield from _generate(target, prompt, session=None, **args)
+        return
+    # An exception from a pass is not caught: the cache may be half written, so it is not kept (the
+    # entry it came from was taken out of `prefix`).
+    session, emitted = Session(list(prompt), prefix), []
+    try:
+        for token in _generate(target, prompt, session=session, **args):
+            emitted.append(token)
+            yield token
+    except GeneratorExit:  # the consumer stopped: the cache is consistent at every yield
+        prefix.keep(session, emitted)
+        raise
+    prefix.keep(session, emitted)
+
+
+@torch.inference_mode()
+def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_size: int | None,
+              stop_token_ids, sampler: Sampler | None, stats: Stats | None, controller, lookup: bool,
+              lookup_costs: dict[int, float] | None, session: Session | None) -> Iterator[int]:
     stats = stats if stats is not None else Stats()
     sampler = sampler or Sampler()
     device = target.embed_tokens.weight.device
@@ -148,12 +176,12 @@ def generate_tokens(
     if max_new_tokens < 1:
         return
     n = len(prompt)
-    cache = target.new_cache(n + max_new_tokens + block_size)
     taps = drafter.target_layer_ids if speculative else ()
 
     t0 = time.perf_counter()
-    out = target(torch.tensor([prompt], device=device), cache, logits="last", taps=taps)
-    token = sampler.sample(out.logits[0])[0].item()  # the first token comes from the prefill
+    cache, logits, hidden = _prefill(target, prompt, n + max_new_tokens + block_size, taps, session, device)
+    stats.cached_tokens = session.hit.length if session is not None and session.hit else 0
+    token = sampler.sample(logits)[0].item()  # the first token comes from the prefill
     _sync(device)
     stats.prefill_s = time.perf_counter() - t0
     stats.generated_tokens = 1
@@ -177,7 +205,7 @@ def generate_tokens(
         draft_cache = drafter.new_cache(n + max_new_tokens + block_size)
         # tap features [1, t, n_taps * H] not yet given to the drafter, joined only when it runs: a
         # running torch.cat copied the whole backlog every step while the fallback kept it off
-        pending = [out.hidden]
+        pending = [hidden]
     finder = PromptLookup([*prompt, token], max_draft=lookup_width) if lookup else None
     if finder is not None and lookup_costs is not None:
         finder.costs = lookup_costs  # the same dict: what this generation measures, the next one knows
@@ -221,6 +249,8 @@ def generate_tokens(
         cache.crop(pos + len(new))  # keep token + the accepted drafts; the last new token is not in yet
         if speculative:
             pending.append(out.hidden[:, : len(new)])
+            if session is not None:
+                session.hidden.append(pending[-1])
         stats.record_cycle(bs - 1, accepted, len(new))
         stats.generated_tokens += len(new)
         now = time.perf_counter()
@@ -254,6 +284,32 @@ def generate_tokens(
         token = new[-1]
         if token in stops or stats.generated_tokens >= max_new_tokens:
             return
+
+
+def _prefill(target, prompt: list[int], capacity: int, taps, session: Session | None, device):
+    """Run the prompt (or the part of it a prefix cache does not hold) -> the cache, the logits [1, V]
+    at the prompt's last position, and the tap features [1, n, F] of the prompt (None without taps)."""
+    ids = lambda part: torch.tensor([part], device=device)  # noqa: E731
+    if session is None:
+        cache = target.new_cache(capacity)
+        out = target(ids(prompt), cache, logits="last", taps=taps)
+        return cache, out.logits[0], out.hidden
+    hit = session.hit = session.prefix.take(target, prompt, capacity, need_hidden=bool(taps))
+    if hit is None:
+        cache, done, hidden, logits = target.new_cache(capacity_for(capacity)), 0, None, None
+    else:
+        cache, done, hidden, logits = hit.cache, hit.length, hit.hidden, hit.logits
+    session.cache = cache
+    if logits is None:  # run what the cache does not hold
+        out = target(ids(prompt[done:]), cache, logits="last", taps=taps)
+        logits = out.logits[0]
+        hidden = out.hidden if hidden is None else torch.cat([hidden, out.hidden], dim=1)
+        session.prompt_state = cache.state() if hasattr(cache, "state") else None
+    else:  # the same prompt as the entry's: its prefill is still in the cache
+        session.prompt_state = hit.entry.prompt_state
+    session.logits = logits
+    session.hidden = [hidden] if taps else []
+    return cache, logits, hidden
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

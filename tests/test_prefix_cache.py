@@ -1,0 +1,157 @@
+"""The prefix cache: a later prompt that starts like an earlier request's prompt + reply reuses that
+request's caches, and decodes what a cold run decodes; the same prompt again replays it exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash_torch import loading
+from dflash_torch.drafter import load_drafter
+from dflash_torch.prefix_cache import PrefixCache
+from dflash_torch.speculative import Stats, generate_tokens
+
+from .conftest import make_drafter
+from .test_families import GEMMA4, QWEN, _save
+from .test_lossless import clear_margins
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_models, tmp_path_factory) -> list:
+    """(name, target, drafter) for tiny Llama / Qwen3 (keys and values only), Qwen3.5 (hybrid: conv and
+    recurrent state) and Gemma 4 (sliding and shared layers)."""
+    base = tmp_path_factory.mktemp("prefix")
+    out = []
+    for name in ("llama", "qwen3"):
+        path = tiny_models[name]
+        out.append((name, loading.load_target(path, CPU, torch.float32),
+                    load_drafter(make_drafter(path, base / f"d-{name}", block_size=8))))
+    for name, cfg in (("qwen3_5", QWEN), ("gemma4", GEMMA4)):
+        _save(name, cfg, base / name, seed=3)
+        out.append((name, loading.load_target(base / name, CPU, torch.float32),
+                    load_drafter(make_drafter(base / name, base / f"d-{name}", block_size=8))))
+    return out
+
+
+def _gen(target, prompt, n, drafter=None, prefix=None, lookup=False):
+    stats = Stats()
+    out = list(generate_tokens(target, prompt, max_new_tokens=n, drafter=drafter, stats=stats, prefix=prefix,
+                               lookup=lookup))
+    return out, stats
+
+
+@torch.inference_mode()
+def test_conversation_turns_reuse_the_cache_and_decode_as_cold(targets):
+    """Three-turn conversations: each turn's prompt is the last prompt + its reply + new tokens. With a
+    prefix cache every later turn prefills only the new tokens (the reply's last token included), and
+    emits what a run without it emits; target-only, with the drafter, and with prompt lookup."""
+    rng = random.Random(0)
+    checked = 0
+    for name, target, drafter in targets:
+        vocab = target.config.vocab_size
+        for mode in ("target", "dflash", "lookup"):
+            d = drafter if mode == "dflash" else None
+            prefix = PrefixCache()
+            prompt = [rng.randrange(vocab - 1) for _ in range(rng.randint(3, 12))]
+            for turn in range(3):
+                n = rng.randint(4, 16)
+                cold, _ = _gen(target, prompt, n, d, lookup=mode == "lookup")
+                if not clear_margins(target, prompt, cold):  # a near-tie may round either way: skip the turn
+                    prefix.clear()
+                    prompt = prompt + cold + [rng.randrange(vocab - 1)]
+                    continue
+                held = prefix.entries[0].ids if prefix.entries else []
+                warm, stats = _gen(target, prompt, n, d, prefix, lookup=mode == "lookup")
+                assert warm == cold, (name, mode, turn)
+                if held:  # everything of the last turn but its reply's last token was in the cache
+                    assert stats.cached_tokens == len(held), (name, mode, turn)
+                    checked += 1
+                prompt = prompt + warm + [rng.randrange(vocab - 1) for _ in range(rng.randint(1, 5))]
+    assert checked >= 16
+
+
+@torch.inference_mode()
+def test_same_prompt_again_skips_the_prefill_and_replays_exactly(targets):
+    for name, target, drafter in targets:
+        prefix = PrefixCache()
+        prompt = list(range(5, 25))
+        first, s1 = _gen(target, prompt, 12, drafter, prefix)
+        again, s2 = _gen(target, prompt, 12, drafter, prefix)
+        assert again == first and s1.cached_tokens == 0 and s2.cached_tokens == len(prompt), name
+        # and a longer reply to it: the earlier reply's positions are overwritten as it goes
+        longer, _ = _gen(target, prompt, 20, drafter, prefix)
+        assert longer[:12] == first, name
+
+
+@torch.inference_mode()
+def test_hybrid_state_comes_back_only_where_it_was_saved(targets):
+    """Qwen3.5: a prompt that shares the earlier prompt exactly (not its reply) restores the state saved
+    after that prefill; one that shares less than that cannot restore its conv/recurrent state and runs cold."""
+    _, target, drafter = next(t for t in targets if t[0] == "qwen3_5")
+    prefix = PrefixCache()
+    prompt = list(range(30, 50))
+    reply, _ = _gen(target, prompt, 10, drafter, prefix)
+    other = prompt + [7, 8, 9]  # diverges right after the prompt
+    cold, _ = _gen(target, other, 10, drafter)
+    warm, stats = _gen(target, other, 10, drafter, prefix)
+    assert warm == cold and stats.cached_tokens == len(prompt)
+    shorter = prompt[:10] + [1, 2, 3]
+    cold, _ = _gen(target, shorter, 10, drafter)
+    warm, stats = _gen(target, shorter, 10, drafter, prefix)
+    assert warm == cold and stats.cached_tokens == 0
+
+
+@torch.inference_mode()
+def test_stopped_early_keeps_what_was_emitted(targets):
+    """A consumer that stops reading (a client gone, a stop string) leaves a cache that holds exactly
+    the tokens it read: the next turn built on them decodes as a cold run."""
+    for name, target, drafter in targets:
+        if name == "qwen3_5":  # a hybrid cache may not go back to the last token read; covered above
+            continue
+        prefix = PrefixCache()
+        prompt = list(range(40, 52))
+        gen = generate_tokens(target, prompt, max_new_tokens=30, drafter=drafter, prefix=prefix, block_size=8)
+        read = [next(gen) for _ in range(7)]
+        gen.close()
+        assert prefix.entries and prefix.entries[0].ids == (prompt + read)[: len(prefix.entries[0].ids)]
+        nxt = prompt + read + [3, 4]
+        cold, _ = _gen(target, nxt, 10, drafter)
+        warm, stats = _gen(target, nxt, 10, drafter, prefix)
+        assert warm == cold and stats.cached_tokens == len(prompt) + len(read) - 1, name
+
+
+@torch.inference_mode()
+def test_entries_bytes_capacity_and_failures(targets):
+    name, target, drafter = targets[0]
+    prefix = PrefixCache(max_entries=2)
+    for start in (10, 20, 30):
+        _gen(target, list(range(start, start + 8)), 4, drafter, prefix)
+    assert [e.ids[0] for e in prefix.entries] == [30, 20]  # most recent first, the oldest evicted
+    assert prefix.nbytes > 0
+    # a generation needing more room than an entry holds runs cold (and keeps its own, bigger cache)
+    _, stats = _gen(target, list(range(30, 38)), 600, drafter, prefix)
+    assert stats.cached_tokens == 0
+    tiny = PrefixCache(max_bytes=1)
+    _gen(target, list(range(10, 18)), 4, drafter, tiny)
+    assert tiny.entries == []  # over the byte budget: nothing kept
+    # a pass that fails mid-way: the cache it used is not given back
+    prefix = PrefixCache()
+    _gen(target, list(range(10, 18)), 4, drafter, prefix)
+    real = target.forward
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    target.forward = broken
+    try:
+        with pytest.raises(RuntimeError):
+            _gen(target, list(range(10, 18)) + [1, 2], 4, drafter, prefix)
+    finally:
+        target.forward = real
+    assert prefix.entries == []
+    with pytest.raises(ValueError):
+        PrefixCache(max_entries=0)
