@@ -84,6 +84,7 @@ class Attention(nn.Module):
         # layers.attend_each_query). Only up to EXACT_VERIFY_MAX_T queries (a prefill is shared by
         # every mode and stays fused), and not with a sliding window (decode masks there).
         self.exact_verify = False
+        self.exact_max_t: int | None = EXACT_VERIFY_MAX_T  # None: prefills too (quantize.exact_prefill)
         self.no_window = c.sliding_window is None
         self.qkv_proj = None  # [q; k; v] as one layer, set by quantize.fuse_projections
 
@@ -110,7 +111,7 @@ class Attention(nn.Module):
             k, v = cache.write_at(self.layer, start, k, v.transpose(1, 2))  # the whole cache [B, Hkv, S, D]
             return self.o_proj(attend(q, k, v, mask, self.scale))
         k, v = cache.write(self.layer, start, k, v.transpose(1, 2))  # [B, Hkv, start + T, D]
-        if self.exact_verify and 1 < t <= EXACT_VERIFY_MAX_T and self.no_window:
+        if self.exact_verify and 1 < t and (self.exact_max_t is None or t <= self.exact_max_t) and self.no_window:
             return self.o_proj(attend_each_query(q, k, v, start, self.scale))
         return self.o_proj(attend(q, k, v, mask, self.scale))
 

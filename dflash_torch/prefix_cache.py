@@ -86,7 +86,7 @@ class PrefixCache:
         cache (the generation owns it now), or None (and the caller makes a new cache)."""
         best: tuple[int, int, Entry] | None = None
         for rank, e in enumerate(self.entries):
-            if e.cache.max_len < capacity or (need_hidden and e.hidden is None):
+            if need_hidden and e.hidden is None:
                 continue
             m = _usable(e, prompt)
             if m > 0 and (best is None or m > best[0]):
@@ -104,10 +104,13 @@ class PrefixCache:
             e.cache.crop(m)
         # the same prompt again: its prefill's logits, so no pass runs before the first token
         logits = e.logits if m == len(prompt) == e.prompt_len else None
+        cache = e.cache
+        if cache.max_len < capacity:  # a longer conversation than the cache was made for: move it
+            cache = moved(target, cache, m, capacity_for(capacity))
         self.hits += 1
         self.cached_tokens += m
         hidden = None if e.hidden is None or not need_hidden else e.hidden[:, :m]
-        return Hit(e.cache, m, hidden, logits, e)
+        return Hit(cache, m, hidden, logits, e)
 
     def keep(self, session: Session, tokens: list[int]) -> None:
         """Store the cache a generation ended with. `tokens`: what it emitted, in order; the cache holds
@@ -158,6 +161,28 @@ def capacity_for(length: int) -> int:
     """Cache capacity for a generation that needs `length` positions: the next power of two (at least
     256), so the next turn of a conversation usually fits in the same cache."""
     return 1 << max(8, (length - 1).bit_length())
+
+
+def moved(target, cache, length: int, capacity: int):
+    """A new cache of `capacity` positions holding the first `length` of `cache` (which is at `length`:
+    a hybrid cache's conv/recurrent state goes along as it is)."""
+    new = target.new_cache(capacity)
+    for src, dst in _kv_pairs(cache, new):
+        dst.k[:, :, :, :length].copy_(src.k[:, :, :, :length])  # [L, B, Hkv, S, D]
+        dst.v[:, :, :, :length].copy_(src.v[:, :, :, :length])
+    new.length = length
+    if hasattr(cache, "restore"):
+        new.restore(length, (cache.conv, cache.recurrent))
+    return new
+
+
+def _kv_pairs(a, b) -> list:
+    """The (source, destination) `KVCache` pairs of two target caches of one model."""
+    if hasattr(a, "groups"):  # Gemma 4: one KVCache per shape
+        return [(a.groups[k], b.groups[k]) for k in a.groups]
+    if hasattr(a, "kv"):  # Qwen3.5
+        return [(a.kv, b.kv)]
+    return [(a, b)]
 
 
 def cache_bytes(cache) -> int:

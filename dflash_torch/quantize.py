@@ -166,6 +166,19 @@ def exact_verify(model: nn.Module) -> nn.Module:
     return model
 
 
+def exact_prefill(model) -> bool:
+    """Where verify passes already attend one query at a time (quantized targets), make prefills do so
+    too: then every pass computes each position exactly as a decode step would, so the keys and values
+    a prefix cache keeps from earlier passes are the ones a cold prefill computes, bit for bit. Costs
+    23-58% of a cold prefill of 43-1000 tokens (docs/performance.md). True if any layer does it."""
+    found = False
+    for m in model.modules():
+        if getattr(m, "exact_verify", False):
+            m.exact_max_t = None
+            found = True
+    return found
+
+
 def quantize_int8(model: nn.Module, fuse: bool = True) -> nn.Module:
     """Replace every nn.Linear of `model` (the LM head included, untied from the embedding) whose shape
     the kernel takes (`int8_fits`; others stay in full precision) in place, after fusing q/k/v and

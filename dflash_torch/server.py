@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
 from .fallback import FallbackController
 from .generate import Detokenizer, Pipeline, check_lengths, load
+from .prefix_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, PrefixCache
+from .quantize import exact_prefill
 from .sampling import Sampler
 from .speculative import Stats, generate_tokens
 
@@ -65,6 +67,8 @@ class ServerConfig:
     adaptive: bool = False  # adaptive block size (inside the fallback's decision)
     fallback: bool = True  # target-only fallback when speculation is slower
     lookup: bool | None = None  # prompt-lookup drafts beside the drafter (None: on whenever the drafter is)
+    prefix_cache_max_entries: int = DEFAULT_MAX_ENTRIES  # finished requests' caches kept for reuse (0: off)
+    prefix_cache_max_bytes: int = DEFAULT_MAX_BYTES
     max_body_bytes: int = MAX_BODY_BYTES
     recent: int = 32  # finished requests kept for /metrics?format=json
 
@@ -295,7 +299,7 @@ class Job:
             "elapsed_s": round(now - self.created, 4),
             "fallback_events": list(self.controller.events) if self.controller else [],
             "lookup_cycles": s.lookup_cycles, "lookup_accepted": s.lookup_accepted,
-            "verify_widths": d["verify_widths"],
+            "verify_widths": d["verify_widths"], "cached_tokens": s.cached_tokens,
         }
 
 
@@ -315,6 +319,10 @@ class Engine:
         self.fallback_carry: dict | None = None  # the last request fell back: the next starts fallen back too
         self.lookup_costs: dict[int, float] = {}  # seconds per verify width, measured by prompt lookup
         self._costs: dict[int, float] | None = None  # seconds per cycle by block size (--adaptive)
+        # caches of finished requests: a conversation's next turn prefills only what is new
+        self.prefix = (PrefixCache(config.prefix_cache_max_entries, config.prefix_cache_max_bytes)
+                       if config.prefix_cache_max_entries > 0 else None)
+        self.exact_prefill = False
         self.stopping = False
         self.metrics = Metrics(self)
         self.thread = threading.Thread(target=self._main, name="dflash-worker", daemon=True)
@@ -388,6 +396,10 @@ class Engine:
             if self.on_load_error:
                 self.on_load_error(e)
             return
+        if self.prefix is not None and exact_prefill(self.pipe.target):
+            # quantized weights: prefills attend one query at a time like decode steps, so what a later
+            # request reuses from the prefix cache is bit for bit what a cold prefill would compute
+            self.exact_prefill = True
         self._banner()
         while not self.stopping:
             job = self.queue.get()
@@ -408,11 +420,16 @@ class Engine:
         if p.drafter:
             drafter = f"{p.draft_path} (block {min(c.block_size or p.drafter.block_size, p.drafter.block_size)})"
         fastpath = f"max_tokens <= {c.fastpath_max_tokens} target-only" if c.fastpath_max_tokens else "off"
+        prefix = "off"
+        if self.prefix:
+            prefix = f"{c.prefix_cache_max_entries} entries, {c.prefix_cache_max_bytes / 2**20:.0f} MiB"
+            if self.exact_prefill:
+                prefix += ", prefills one query at a time (exact reuse with quantized weights)"
         log.info("dflash serve: model %s (%s), context %d tokens", p.name, p.model_path, p.max_context)
         log.info("dflash serve: drafter %s; fallback %s; fastpath %s", drafter,
                  "on" if c.fallback and p.drafter else "off", fastpath)
-        log.info("dflash serve: device %s, dtype %s, queue %d", p.device, str(p.dtype).removeprefix("torch."),
-                 c.max_queue)
+        log.info("dflash serve: device %s, dtype %s, queue %d, prefix cache %s", p.device,
+                 str(p.dtype).removeprefix("torch."), c.max_queue, prefix)
         log.info("dflash serve: ready on http://%s:%d (OpenAI API under /v1; /health, /metrics)", c.host, c.port)
 
     def _run(self, job: Job) -> None:
@@ -441,6 +458,7 @@ class Engine:
             lookup=not job.fastpath and (use_draft if self.config.lookup is None else self.config.lookup),
             # timings carried over would steer a seeded sampled request's widths: it measures its own
             lookup_costs=self.lookup_costs if job.sampler.greedy or job.sampler.seed is None else None,
+            prefix=self.prefix,
         )
         try:
             for token in gen:
@@ -483,14 +501,16 @@ class Engine:
         if status != 500:  # a failure has sent its error already
             job.emit("done" if status == 200 else "cancelled", {
                 "finish_reason": finish, "prompt_tokens": len(job.prompt_ids),
-                "completion_tokens": job.completion_tokens})
+                "completion_tokens": job.completion_tokens, "cached_tokens": job.stats.cached_tokens})
         accept = ""
         if job.stats.mode != "target-only":
             accept = f", acceptance {row['acceptance_rate']:.0%} (mean length {row['acceptance_length_mean']:.2f})"
         fallbacks = job.controller.fallbacks if job.controller else 0
         log.info(
-            "%s %d %s: %d prompt + %d generated tokens (%s), %.1f tok/s, ttft %s, mode %s%s%s",
-            job.id, status, job.endpoint, row["prompt_tokens"], job.completion_tokens, finish, row["decode_tok_s"],
+            "%s %d %s: %d prompt%s + %d generated tokens (%s), %.1f tok/s, ttft %s, mode %s%s%s",
+            job.id, status, job.endpoint, row["prompt_tokens"],
+            f" ({job.stats.cached_tokens} cached)" if job.stats.cached_tokens else "", job.completion_tokens,
+            finish, row["decode_tok_s"],
             f"{row['ttft_s'] * 1000:.0f} ms" if row["ttft_s"] is not None else "-", row["mode"], accept,
             f", {fallbacks} fallback(s)" if fallbacks else "",
         )
@@ -511,6 +531,10 @@ class Metrics:
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("dflash_generation_tokens", "Tokens generated", registry=r)
+        self.cached_tokens = Counter("dflash_prefix_cache_cached_tokens",
+                                     "Prompt tokens taken from the prefix cache instead of prefilled", registry=r)
+        self.prefix_hits = Counter("dflash_prefix_cache_hits", "Requests that started from a cached prefix",
+                                   registry=r)
         self.ttft = Histogram("dflash_time_to_first_token_seconds", "Time to first token, queueing included",
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
         self.tok_s = Histogram("dflash_decode_tokens_per_second", "Decode throughput per request (prefill excluded)",
@@ -587,6 +611,9 @@ class Metrics:
         self.requests.labels(endpoint=job.endpoint, status=str(status)).inc()
         self.prompt_tokens.inc(len(job.prompt_ids) if job.first_token else 0)
         self.generation_tokens.inc(job.completion_tokens)
+        if job.stats.cached_tokens:
+            self.cached_tokens.inc(job.stats.cached_tokens)
+            self.prefix_hits.inc()
         if job.first_token:
             self.ttft.observe(job.first_token - job.created)
         if job.stats.decode_tok_s > 0:
@@ -620,6 +647,9 @@ class Metrics:
             "device": str(pipe.device) if pipe else None,
             "queue": {"waiting": e.queue.qsize(), "max": e.config.max_queue, "running": int(job is not None)},
             "metrics": figures,
+            "prefix_cache": None if e.prefix is None else {
+                "entries": len(e.prefix.entries), "max_entries": e.prefix.max_entries, "bytes": e.prefix.nbytes,
+                "max_bytes": e.prefix.max_bytes, "hits": e.prefix.hits, "misses": e.prefix.misses},
             "current": job.summary() if job is not None else None,
             "recent": list(e.recent),
         }
@@ -801,7 +831,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
 
     def usage(info: dict) -> dict:
         p, c = info["prompt_tokens"], info["completion_tokens"]
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": info.get("cached_tokens", 0)}}
 
     async def stream(job: Job, req: GenRequest) -> AsyncIterator[str]:
         created = int(time.time())
@@ -885,7 +916,26 @@ def add_parser(subparsers) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.add_argument("--max-queue", type=int, default=64, metavar="N", help="requests that may wait (then 429)")
+    p.add_argument("--prefix-cache-max-entries", type=int, default=DEFAULT_MAX_ENTRIES, metavar="N",
+                   help="finished requests whose caches are kept, so a prompt that starts the same way (the next "
+                        f"turn of a conversation) prefills only what is new (default {DEFAULT_MAX_ENTRIES}; 0: off)")
+    p.add_argument("--prefix-cache-max-bytes", type=parse_bytes, default=DEFAULT_MAX_BYTES, metavar="SIZE",
+                   help="memory those caches may hold, e.g. 512MB or 4GB (default 2GB)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="keep no caches between requests")
     p.set_defaults(func=cmd_serve)
+
+
+def parse_bytes(text: str) -> int:
+    """'2GB', '512MB', '64KiB' or a plain number of bytes -> bytes (1 KB = 1 KiB = 1024 bytes here)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if scale > 1 else t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MB, 4GB)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive: {text!r}")
+    return int(value * scale)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -894,6 +944,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue < 1 or args.max_tokens < 1 or (args.block_size is not None and args.block_size < 1):
         raise ValueError("--max-queue, --max-tokens and --block-size must be >= 1")
+    if args.prefix_cache_max_entries < 0:
+        raise ValueError("--prefix-cache-max-entries must be >= 0")
     if not log.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
@@ -907,6 +959,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         quantize=getattr(args, "quantize", None), cuda_graphs=getattr(args, "cuda_graphs", False),
         adaptive=getattr(args, "adaptive", False),
         lookup=getattr(args, "lookup", None),
+        prefix_cache_max_entries=0 if args.no_prefix_cache else args.prefix_cache_max_entries,
+        prefix_cache_max_bytes=args.prefix_cache_max_bytes,
     )
     failed: list[BaseException] = []
 

@@ -11,6 +11,7 @@ import torch
 from dflash_torch import loading
 from dflash_torch.drafter import load_drafter
 from dflash_torch.prefix_cache import PrefixCache
+from dflash_torch.quantize import exact_prefill, quantize_int4
 from dflash_torch.speculative import Stats, generate_tokens
 
 from .conftest import make_drafter
@@ -125,16 +126,31 @@ def test_stopped_early_keeps_what_was_emitted(targets):
 
 
 @torch.inference_mode()
-def test_entries_bytes_capacity_and_failures(targets):
+def test_a_longer_turn_moves_the_cache_to_a_bigger_one(targets):
+    """A turn that needs more positions than the cached one was made for starts from a bigger cache
+    with the cached positions (and a hybrid's state) copied in, and decodes as a cold run."""
+    for name, target, drafter in targets:
+        prefix = PrefixCache()
+        prompt = list(range(60, 72))
+        reply, _ = _gen(target, prompt, 8, drafter, prefix)
+        small = prefix.entries[0].cache.max_len
+        nxt = prompt + reply + [5, 6, 7]
+        cold, _ = _gen(target, nxt, small, drafter)
+        warm, stats = _gen(target, nxt, small, drafter, prefix)
+        if clear_margins(target, nxt, cold):
+            assert warm == cold, name
+        assert stats.cached_tokens == len(prompt) + len(reply) - 1, name
+        assert prefix.entries[0].cache.max_len > small, name
+
+
+@torch.inference_mode()
+def test_entries_bytes_and_failures(targets):
     name, target, drafter = targets[0]
     prefix = PrefixCache(max_entries=2)
     for start in (10, 20, 30):
         _gen(target, list(range(start, start + 8)), 4, drafter, prefix)
     assert [e.ids[0] for e in prefix.entries] == [30, 20]  # most recent first, the oldest evicted
     assert prefix.nbytes > 0
-    # a generation needing more room than an entry holds runs cold (and keeps its own, bigger cache)
-    _, stats = _gen(target, list(range(30, 38)), 600, drafter, prefix)
-    assert stats.cached_tokens == 0
     tiny = PrefixCache(max_bytes=1)
     _gen(target, list(range(10, 18)), 4, drafter, tiny)
     assert tiny.entries == []  # over the byte budget: nothing kept
@@ -155,3 +171,33 @@ def test_entries_bytes_capacity_and_failures(targets):
     assert prefix.entries == []
     with pytest.raises(ValueError):
         PrefixCache(max_entries=0)
+
+
+@torch.inference_mode()
+def test_quantized_reuse_is_bit_exact_with_exact_prefill(tiny_models, tmp_path):
+    """int4 weights (bfloat16 activations magnify rounding differences into different tokens): with
+    prefills attending one query at a time, every later turn decodes exactly as a cold run, no near-tie
+    filter. This is what `dflash serve` switches on beside its prefix cache."""
+    path = tiny_models["llama"]
+    target = quantize_int4(loading.load_target(path, CPU, torch.float32))
+    assert exact_prefill(target)
+    assert not exact_prefill(loading.load_target(path, CPU, torch.float32))  # float32: nothing to switch
+    drafter = load_drafter(make_drafter(path, tmp_path / "d", block_size=8))
+    rng = random.Random(5)
+    for d in (None, drafter):
+        prefix = PrefixCache()
+        prompt = [rng.randrange(255) for _ in range(40)]  # longer than a verify block: a real prefill
+        for turn in range(4):
+            cold, _ = _gen(target, prompt, 20, d)
+            warm, stats = _gen(target, prompt, 20, d, prefix)
+            assert warm == cold, turn
+            assert (stats.cached_tokens > 0) == (turn > 0)
+            # the kept keys/values (earlier prefills, decode steps, verify passes) are bit for bit those
+            # of one cold prefill over the same tokens
+            e = prefix.entries[0]
+            n = len(e.ids)
+            fresh = target.new_cache(n)
+            target(torch.tensor([e.ids]), fresh, logits=None)
+            assert torch.equal(fresh.k[:, :, :, :n], e.cache.k[:, :, :, :n]), turn
+            assert torch.equal(fresh.v[:, :, :, :n], e.cache.v[:, :, :, :n]), turn
+            prompt = prompt + warm + [rng.randrange(255) for _ in range(36)]

@@ -6,6 +6,7 @@ fixture has no tokenizer), so the official `openai` client can talk to it in tex
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import socket
@@ -24,7 +25,7 @@ import torch
 from dflash_torch import cli
 from dflash_torch.fallback import FallbackController
 from dflash_torch.generate import Pipeline, generate, load
-from dflash_torch.server import ServerConfig, TextStream, create_app
+from dflash_torch.server import ServerConfig, TextStream, create_app, parse_bytes
 from dflash_torch.speculative import generate_tokens
 
 from .conftest import make_drafter, make_hf_model
@@ -533,8 +534,47 @@ def test_serve_command_line(chat_model):
     assert (args.max_tokens, args.block_size, args.max_queue, args.device, args.dtype) == (5, 4, 3, "cpu", "float32")
     defaults = cli.build_parser().parse_args(["serve"])
     assert (defaults.host, defaults.port, defaults.model, defaults.draft) == ("127.0.0.1", 8000, None, "auto")
+    assert (defaults.prefix_cache_max_entries, defaults.prefix_cache_max_bytes, defaults.no_prefix_cache) == (
+        4, 2 << 30, False)
+    sized = cli.build_parser().parse_args(["serve", "--prefix-cache-max-bytes", "512MB", "--no-prefix-cache"])
+    assert sized.prefix_cache_max_bytes == 512 << 20 and sized.no_prefix_cache
+    assert parse_bytes("1.5GiB") == 3 << 29 and parse_bytes("4096") == 4096
+    for bad in ("lots", "-1GB", "0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_bytes(bad)
     # a model that cannot be loaded stops the server with exit status 2
     assert cli.main(["serve", "--model", str(chat_model[0].parent / "missing"), "--port", "0"]) == 2
+
+
+def test_conversation_turns_start_from_the_prefix_cache(pipe):
+    """The second and third turns of a chat reuse the earlier turns' caches (usage reports the cached
+    prompt tokens, OpenAI's prompt_tokens_details) and answer what a server without the cache answers."""
+    turns = ["Write a haiku about rain", "Now one about snow", "And one about wind"]
+
+    def chat(base: str) -> list:
+        c, msgs, out = client(base), [MSGS[0]], []
+        for text in turns:
+            msgs.append({"role": "user", "content": text})
+            r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=24)
+            msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+            out.append((r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens))
+        return out
+
+    with serve(pipe) as base:
+        warm = chat(base)
+        info = metrics_json(base)
+        again = httpx.post(base + "/v1/chat/completions",
+                           json={"messages": MSGS[:1] + [{"role": "user", "content": turns[0]}], "max_tokens": 24})
+        assert again.json()["choices"][0]["message"]["content"] == warm[0][0]  # the same prompt: replayed
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    with serve(pipe, prefix_cache_max_entries=0) as base:
+        cold = chat(base)
+        assert metrics_json(base)["prefix_cache"] is None
+    assert [t for t, _ in warm] == [t for t, _ in cold]
+    assert warm[0][1] == 0 and all(n > 0 for _, n in warm[1:]) and all(n == 0 for _, n in cold)
+    assert info["prefix_cache"]["hits"] == 2 and info["prefix_cache"]["entries"] >= 1
+    assert info["metrics"]["prefix_cache_cached_tokens_total"] == warm[1][1] + warm[2][1]
+    assert [row["cached_tokens"] for row in info["recent"]] == [n for _, n in warm]
 
 
 def test_model_without_tokenizer_takes_token_ids(zlab):
