@@ -170,7 +170,7 @@ def exact_prefill(model) -> bool:
     """Where verify passes already attend one query at a time (quantized targets), make prefills do so
     too: then every pass computes each position exactly as a decode step would, so the keys and values
     a prefix cache keeps from earlier passes are the ones a cold prefill computes, bit for bit. Costs
-    23-58% of a cold prefill of 43-1000 tokens (docs/performance.md). True if any layer does it."""
+    27-54% of a cold prefill of 43-1000 tokens (docs/performance.md). True if any layer does it."""
     found = False
     for m in model.modules():
         if getattr(m, "exact_verify", False):

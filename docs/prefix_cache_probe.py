@@ -55,16 +55,46 @@ def conversation(pipe, prefix: PrefixCache | None, max_tokens: int, replies: lis
     return rows
 
 
+@torch.inference_mode()
+def prefill_cost(pipe, lengths: list[int]) -> None:
+    """A cold prefill's time with fused attention and one query at a time (best of 3 each)."""
+    attn = [m for m in pipe.target.modules() if hasattr(m, "exact_max_t")]
+
+    def best(n: int) -> float:
+        times = []
+        for _ in range(3):
+            cache = pipe.target.new_cache(n)
+            ids = torch.randint(0, 40000, (1, n), generator=torch.Generator().manual_seed(n))
+            t0 = time.perf_counter()
+            pipe.target(ids, cache, logits="last")
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    print("prompt tokens  prefill fused  one query at a time")
+    for n in lengths:
+        saved = [m.exact_max_t for m in attn]
+        fused = best(n)
+        exact_prefill(pipe.target)
+        each = best(n)
+        for m, v in zip(attn, saved):
+            m.exact_max_t = v
+        print(f"{n:13d}  {fused * 1e3:10.0f} ms  {each * 1e3:13.0f} ms (+{100 * (each / fused - 1):.0f}%)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quantize", default=None, choices=["int8", "int4"])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prefill-cost", metavar="N,N,...", default=None,
+                   help="instead: time cold prefills of these lengths, fused and one query at a time")
     p.add_argument("--fused-prefill", action="store_true",
                    help="quantized: keep the fused prefill attention (what the server does not do)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     pipe = load(None, "auto", "cpu", "float32", quiet=True, quantize=args.quantize)
+    if args.prefill_cost:
+        return prefill_cost(pipe, [int(n) for n in args.prefill_cost.split(",")])
     if args.quantize and not args.fused_prefill:
         exact_prefill(pipe.target)  # as `dflash serve` does with a prefix cache: reuse is then exact
     conversation(pipe, PrefixCache(), 8)  # warm-up
