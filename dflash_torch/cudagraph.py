@@ -47,6 +47,7 @@ class GraphedTarget:
         self.graphs: dict[tuple, tuple] = {}  # (T, logits, taps) -> (graph, ids, positions, Output)
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.replays = 0  # passes served by a graph (for tests and metrics)
+        self.handed_out = 0  # new_cache calls: each one rewinds the cache whatever held it (prefix_cache.py)
 
     def __getattr__(self, name: str):
         return getattr(self.target, name)
@@ -61,6 +62,7 @@ class GraphedTarget:
             self.cache = None  # free the old buffers before allocating the new ones
             self.cache = self.target.new_cache(capacity)
         self.cache.crop(0)
+        self.handed_out += 1
         return self.cache
 
     def __call__(

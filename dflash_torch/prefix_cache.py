@@ -36,6 +36,7 @@ class Entry:
     logits: torch.Tensor | None  # [1, V] the prefill's logits at the prompt's last position
     prompt_state: object = None  # hybrid caches: the conv/recurrent state after the prompt (cache.state())
     nbytes: int = 0
+    handed_out: int | None = None  # single-cache targets: their new_cache count when this cache was theirs
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Session:
     logits: torch.Tensor | None = None
     prompt_state: object = None
     hidden: list[torch.Tensor] = field(default_factory=list)  # tap features, in position order
+    handed_out: int | None = None  # see Entry
 
 
 class PrefixCache:
@@ -85,6 +87,9 @@ class PrefixCache:
         """The entry that covers the most of `prompt`, restored to that many tokens and removed from the
         cache (the generation owns it now), or None (and the caller makes a new cache)."""
         best: tuple[int, int, Entry] | None = None
+        # a target that owns one cache (cudagraph.GraphedTarget) rewinds it on every new_cache: an entry
+        # whose cache was handed out again since is gone
+        self.entries = [e for e in self.entries if e.handed_out == getattr(target, "handed_out", None)]
         for rank, e in enumerate(self.entries):
             if need_hidden and e.hidden is None:
                 continue
@@ -133,7 +138,8 @@ class PrefixCache:
             hidden = torch.cat(session.hidden, dim=1)[:, : len(ids)]
             if hidden.shape[1] < len(ids):
                 hidden = None
-        e = Entry(ids, cache, hidden, len(session.prompt), session.logits, session.prompt_state)
+        e = Entry(ids, cache, hidden, len(session.prompt), session.logits, session.prompt_state,
+                  handed_out=session.handed_out)
         e.nbytes = cache_bytes(cache) + (0 if hidden is None else hidden.nbytes)
         self.entries.insert(0, e)
         while self.entries and (len(self.entries) > self.max_entries or self.nbytes > self.max_bytes):

@@ -299,7 +299,7 @@ def _prefill(target, prompt: list[int], capacity: int, taps, session: Session | 
         cache, done, hidden, logits = target.new_cache(capacity_for(capacity)), 0, None, None
     else:
         cache, done, hidden, logits = hit.cache, hit.length, hit.hidden, hit.logits
-    session.cache = cache
+    session.cache, session.handed_out = cache, getattr(target, "handed_out", None)
     if logits is None:  # run what the cache does not hold
         out = target(ids(prompt[done:]), cache, logits="last", taps=taps)
         logits = out.logits[0]

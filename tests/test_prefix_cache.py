@@ -201,3 +201,31 @@ def test_quantized_reuse_is_bit_exact_with_exact_prefill(tiny_models, tmp_path):
             assert torch.equal(fresh.k[:, :, :, :n], e.cache.k[:, :, :, :n]), turn
             assert torch.equal(fresh.v[:, :, :, :n], e.cache.v[:, :, :, :n]), turn
             prompt = prompt + warm + [rng.randrange(255) for _ in range(36)]
+
+
+@torch.inference_mode()
+def test_single_cache_targets(tiny_models, tmp_path):
+    """A target that owns one cache (`--cuda-graphs`, here its static-shape passes without graphs on a
+    CPU) rewinds it for every new_cache: hits reuse it, and an entry is dropped once anything else has
+    been handed the cache (a generation without the prefix cache, a calibration)."""
+    from dflash_torch.cudagraph import GraphedTarget
+
+    path = tiny_models["llama"]
+    plain = loading.load_target(path, CPU, torch.float32)
+    target = GraphedTarget(loading.load_target(path, CPU, torch.float32), use_graphs=False)
+    drafter = load_drafter(make_drafter(path, tmp_path / "d", block_size=8))
+    prefix = PrefixCache()
+    rng = random.Random(9)
+    prompt = [rng.randrange(255) for _ in range(12)]
+    for turn in range(3):
+        n = 300 if turn == 2 else 10  # the last turn outgrows the cache: a bigger one, positions copied
+        cold, _ = _gen(plain, prompt, n, drafter)
+        warm, stats = _gen(target, prompt, n, drafter, prefix)
+        if clear_margins(plain, prompt, cold):
+            assert warm == cold, turn
+        assert (stats.cached_tokens > 0) == (turn > 0) and len(prefix.entries) == 1
+        assert prefix.entries[0].cache is target.cache
+        prompt = prompt + warm + [rng.randrange(255) for _ in range(3)]
+    _gen(target, [1, 2, 3], 4, drafter)  # without the prefix cache: the one cache is rewound for it
+    _, stats = _gen(target, prompt, 4, drafter, prefix)
+    assert stats.cached_tokens == 0  # so the entry that held it is not used
