@@ -45,6 +45,17 @@ def _parse_ids(text: str) -> list[int]:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from e
 
 
+def json_object(text: str) -> dict:
+    """A command-line JSON object (for --chat-template-args)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from .generate import Detokenizer, load, stream
     from .sampling import Sampler
@@ -62,7 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt_ids is not None:
         prompt = _parse_ids(args.prompt_ids)
     else:
-        prompt = pipe.encode(args.prompt, chat=not args.no_chat_template)
+        prompt = pipe.encode(args.prompt, chat=not args.no_chat_template, template_args=args.chat_template_args)
     controller = fallback = adaptive = None
     if pipe.drafter is not None and not args.no_draft:
         # Speculation only while it pays: drop to target-only when it measures slower. A seeded
@@ -170,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("text", nargs="?", default=None, help="the prompt text, as an alternative to --prompt")
     g.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids")
     g.add_argument("--no-chat-template", action="store_true", help="use the prompt text as is")
+    g.add_argument("--chat-template-args", type=json_object, default={}, metavar="JSON",
+                   help="variables for the chat template, e.g. '{\"enable_thinking\": false}'")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
     g.add_argument("--no-fallback", action="store_true",

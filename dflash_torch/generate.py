@@ -42,18 +42,20 @@ class Pipeline:
     def max_context(self) -> int:
         return int(self.target.config.max_position_embeddings)
 
-    def encode(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:
+    def encode(self, text: str, chat: bool = True, system: str | None = None,
+               template_args: dict | None = None) -> list[int]:
         """Token ids for a user prompt, through the chat template unless chat=False."""
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        return self.encode_messages(messages) if chat else self._plain(text)
+        return self.encode_messages(messages, template_args) if chat else self._plain(text)
 
-    def encode_messages(self, messages: list[dict]) -> list[int]:
-        """Token ids for a chat (list of {"role", "content"}), with the generation prompt appended."""
+    def encode_messages(self, messages: list[dict], template_args: dict | None = None) -> list[int]:
+        """Token ids for a chat (list of {"role", "content"}), with the generation prompt appended.
+        `template_args`: extra variables for the chat template (e.g. {"enable_thinking": False} for Qwen3)."""
         tok = self._need_tokenizer()
         if not getattr(tok, "chat_template", None):
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
             return self._plain(text)
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_args or {}))
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

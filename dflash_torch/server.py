@@ -69,6 +69,7 @@ class ServerConfig:
     lookup: bool | None = None  # prompt-lookup drafts beside the drafter (None: on whenever the drafter is)
     prefix_cache_max_entries: int = DEFAULT_MAX_ENTRIES  # finished requests' caches kept for reuse (0: off)
     prefix_cache_max_bytes: int = DEFAULT_MAX_BYTES
+    chat_template_args: dict = field(default_factory=dict)  # chat template variables (a request's own win)
     max_body_bytes: int = MAX_BODY_BYTES
     recent: int = 32  # finished requests kept for /metrics?format=json
 
@@ -360,15 +361,18 @@ class Engine:
             raise APIError(503, why, type="service_unavailable", code="model_not_ready", headers={"Retry-After": "5"})
         return self.pipe
 
-    def encode(self, messages: list[dict] | None = None, prompt: str | list[int] | None = None) -> list[int]:
-        """Prompt token ids for a chat (template applied) or a completions prompt (as is)."""
+    def encode(self, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
+               template_args: dict | None = None) -> list[int]:
+        """Prompt token ids for a chat (template applied, with `template_args`) or a completions prompt."""
         pipe = self.ready()
         if isinstance(prompt, list):
             return prompt
         param = "messages" if messages is not None else "prompt"
         try:
             with self.tokenizer_lock:
-                return pipe.encode_messages(messages) if messages is not None else pipe.encode(prompt, chat=False)
+                if messages is not None:
+                    return pipe.encode_messages(messages, template_args)
+                return pipe.encode(prompt, chat=False)
         except Exception as e:  # no tokenizer, a template that rejects these messages
             raise bad(f"could not tokenize the {param}: {e}", param) from e
 
@@ -780,7 +784,9 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         body = await read_json(request, config.max_body_bytes)
         req = parse_common(body)
         messages = parse_messages(body.get("messages"))
-        ids = await asyncio.to_thread(engine.encode, messages=messages)
+        # vLLM's field: variables for the chat template, over the server's --chat-template-args
+        template_args = config.chat_template_args | _field(body, "chat_template_kwargs", "object", {})
+        ids = await asyncio.to_thread(engine.encode, messages=messages, template_args=template_args)
         return await respond(request, "chat", req, ids)
 
     @app.post("/v1/completions")
@@ -905,7 +911,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
 
 def add_parser(subparsers) -> None:
     """Register `dflash serve` (picked up by cli.build_parser)."""
-    from .cli import _common_model_args
+    from .cli import _common_model_args, json_object
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, metrics)")
     _common_model_args(p)
@@ -922,6 +928,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prefix-cache-max-bytes", type=parse_bytes, default=DEFAULT_MAX_BYTES, metavar="SIZE",
                    help="memory those caches may hold, e.g. 512MB or 4GB (default 2GB)")
     p.add_argument("--no-prefix-cache", action="store_true", help="keep no caches between requests")
+    p.add_argument("--chat-template-args", type=json_object, default={}, metavar="JSON",
+                   help="variables for the chat template, e.g. '{\"enable_thinking\": false}' (a request's "
+                        "chat_template_kwargs override them)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -961,6 +970,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lookup=getattr(args, "lookup", None),
         prefix_cache_max_entries=0 if args.no_prefix_cache else args.prefix_cache_max_entries,
         prefix_cache_max_bytes=args.prefix_cache_max_bytes,
+        chat_template_args=args.chat_template_args,
     )
     failed: list[BaseException] = []
 

@@ -31,8 +31,8 @@ from dflash_torch.speculative import generate_tokens
 from .conftest import make_drafter, make_hf_model
 
 SPECIALS = ["[UNK]", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+TEMPLATE = (  # `preamble`: a template variable, for --chat-template-args / chat_template_kwargs
+    "{{ preamble | default('') }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a haiku about rain"}]
@@ -575,6 +575,32 @@ def test_conversation_turns_start_from_the_prefix_cache(pipe):
     assert info["prefix_cache"]["hits"] == 2 and info["prefix_cache"]["entries"] >= 1
     assert info["metrics"]["prefix_cache_cached_tokens_total"] == warm[1][1] + warm[2][1]
     assert [row["cached_tokens"] for row in info["recent"]] == [n for _, n in warm]
+
+
+def test_chat_template_args(pipe, chat_model, capsys):
+    """--chat-template-args sets chat template variables for every request; a request's
+    chat_template_kwargs (vLLM's field) override them; anything but an object is a 400."""
+    plain = len(pipe.encode_messages(MSGS))
+    assert len(pipe.encode_messages(MSGS, {"preamble": "xyz"})) == plain + 3  # one token per character
+    with serve(pipe, chat_template_args={"preamble": "ab"}) as base:
+        def tokens(**extra):
+            r = httpx.post(base + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, **extra})
+            return r.json()["usage"]["prompt_tokens"] if r.status_code == 200 else r
+        assert tokens() == plain + 2
+        assert tokens(chat_template_kwargs={"preamble": "abcd"}) == plain + 4
+        assert tokens(chat_template_kwargs={}) == plain + 2
+        bad = tokens(chat_template_kwargs="x")
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+    args = cli.build_parser().parse_args(["serve", "--chat-template-args", '{"enable_thinking": false}'])
+    assert args.chat_template_args == {"enable_thinking": False}
+    for bad_arg in ("[1]", "{oops"):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["serve", "--chat-template-args", bad_arg])
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", str(chat_model[0]), "--no-draft", "--device", "cpu", "--prompt", "Hi",
+                     "--chat-template-args", '{"preamble": "Q"}', "--max-tokens", "2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]["prompt_tokens"]
+    assert got == len(pipe.encode("Hi")) + 1
 
 
 def test_model_without_tokenizer_takes_token_ids(zlab):
