@@ -86,22 +86,22 @@ class PrefixCache:
     def take(self, target, prompt: list[int], capacity: int, need_hidden: bool) -> Hit | None:
         """The entry that covers the most of `prompt`, restored to that many tokens and removed from the
         cache (the generation owns it now), or None (and the caller makes a new cache)."""
-        best: tuple[int, int, Entry] | None = None
+        best: tuple[int, Entry] | None = None
         # a target that owns one cache (cudagraph.GraphedTarget) rewinds it on every new_cache: an entry
         # whose cache was handed out again since is gone
         self.entries = [e for e in self.entries if e.handed_out == getattr(target, "handed_out", None)]
-        for rank, e in enumerate(self.entries):
+        for e in self.entries:  # most recent first: it wins a tie
             if need_hidden and e.hidden is None:
                 continue
             m = _usable(e, prompt)
             if m > 0 and (best is None or m > best[0]):
-                best = (m, rank, e)
+                best = (m, e)
         if best is None:
             self.misses += 1
             if getattr(target, "single_cache", False):  # its new_cache rewinds the one cache entries hold
                 self.entries.clear()
             return None
-        m, _, e = best
+        m, e = best
         self.entries.remove(e)
         if m == e.prompt_len and e.prompt_state is not None and m != e.cache.length:
             e.cache.restore(m, e.prompt_state)  # hybrid: the state saved after that prompt's prefill

@@ -131,7 +131,8 @@ def generate_tokens(
     verify width that prompt lookup has measured, shared with (and updated for) later generations, so a
     server does not measure them again for every request. `prefix`: start from the cache of an earlier
     generation that shares the prompt's beginning, and leave this one's there when done
-    (`prefix_cache.py`). Output depends on none of these.
+    (`prefix_cache.py`; reused keys/values came from passes of other widths, which in float32 round
+    differently, as verify and decode passes do). Output depends on none of these.
     """
     args = dict(max_new_tokens=max_new_tokens, drafter=drafter, block_size=block_size,
                 stop_token_ids=stop_token_ids, sampler=sampler, stats=stats, controller=controller,
