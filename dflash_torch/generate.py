@@ -48,14 +48,20 @@ class Pipeline:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         return self.encode_messages(messages, template_args) if chat else self._plain(text)
 
-    def encode_messages(self, messages: list[dict], template_args: dict | None = None) -> list[int]:
+    def encode_messages(self, messages: list[dict], template_args: dict | None = None,
+                        tools: list[dict] | None = None) -> list[int]:
         """Token ids for a chat (list of {"role", "content"}), with the generation prompt appended.
-        `template_args`: extra variables for the chat template (e.g. {"enable_thinking": False} for Qwen3)."""
+        `template_args`: extra variables for the chat template (e.g. {"enable_thinking": False} for Qwen3).
+        `tools`: OpenAI function tools, shown to the model by its chat template."""
         tok = self._need_tokenizer()
-        if not getattr(tok, "chat_template", None):
+        template = getattr(tok, "chat_template", None)
+        if tools and not (isinstance(template, str) and "tools" in template):
+            raise ValueError("this model's chat template does not take tools")
+        if not template:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
             return self._plain(text)
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_args or {}))
+        kwargs = dict(template_args or {}) | ({"tools": tools} if tools else {})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

@@ -34,16 +34,17 @@ from .prefix_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, PrefixCache
 from .quantize import exact_prefill
 from .sampling import Sampler
 from .speculative import Stats, generate_tokens
+from .tool_calls import ToolCallStream
 
 log = logging.getLogger("dflash.server")
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # the hold-back check costs up to len(stop)^2 per token
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models",
              "/health": "health", "/metrics": "metrics", "/metrics.json": "metrics"}
 # Accepted by OpenAI but not implemented here: refuse rather than silently answer something else.
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias",
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "functions", "logit_bias",
                "presence_penalty", "frequency_penalty")
 
 
@@ -183,6 +184,9 @@ def parse_messages(value) -> list[dict]:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {json.dumps(m.get('role'))[:40]}",
                       f"{where}.role")
         content = m.get("content")
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if calls is not None and content is None:  # an assistant turn that only called tools
+            content = ""
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
@@ -193,8 +197,63 @@ def parse_messages(value) -> list[dict]:
             content = "\n".join(texts)
         if not isinstance(content, str):
             raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content")
-        out.append({"role": role, "content": content})
+        msg = {"role": role, "content": content}
+        if calls is not None:
+            msg["tool_calls"] = parse_history_calls(calls, f"{where}.tool_calls")
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None:
+                    if not isinstance(m[key], str):
+                        raise bad(f"{where}.{key} must be a string", f"{where}.{key}")
+                    msg[key] = m[key]
+        out.append(msg)
     return out
+
+
+def parse_history_calls(calls, where: str) -> list[dict]:
+    """An assistant message's earlier tool calls, for the chat template: arguments as an object (the
+    templates render them with tojson), as vLLM hands them over."""
+    if not isinstance(calls, list):
+        raise bad(f"{where} must be an array", where)
+    out = []
+    for i, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise bad(f"{where}[{i}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", where)
+        args = f.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise bad(f"{where}[{i}].function.arguments is not JSON", where) from None
+        if not isinstance(args, dict):
+            raise bad(f"{where}[{i}].function.arguments must be a JSON object", where)
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
+    return out
+
+
+def parse_tools(body: dict) -> list[dict] | None:
+    """`tools` (functions only) and `tool_choice` ("auto" or "none"): the tools to show the model, or None."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise bad("'tool_choice' must be 'auto' or 'none' here (a forced or named tool call is not supported)",
+                  "tool_choice")
+    if body.get("parallel_tool_calls") is False:
+        raise bad("'parallel_tool_calls': false is not supported (the model may call several tools)",
+                  "parallel_tool_calls")
+    if tools is None or choice == "none":
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise bad("'tools' must be a non-empty array", "tools")
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name', 'description', "
+                      "'parameters'}}}}", f"tools[{i}]")
+        if not isinstance(f.get("parameters", {}), dict):
+            raise bad(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}]")
+    return tools
 
 
 def parse_prompt(value) -> str | list[int]:
@@ -256,6 +315,8 @@ class Job:
     stops: list[str]
     loop: asyncio.AbstractEventLoop
     fastpath: bool = False
+    tools: list[dict] | None = None  # tools shown to the model: its text is parsed for calls
+    tool_calls: list[dict] = field(default_factory=list)
     id: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -362,7 +423,7 @@ class Engine:
         return self.pipe
 
     def encode(self, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
-               template_args: dict | None = None) -> list[int]:
+               template_args: dict | None = None, tools: list[dict] | None = None) -> list[int]:
         """Prompt token ids for a chat (template applied, with `template_args`) or a completions prompt."""
         pipe = self.ready()
         if isinstance(prompt, list):
@@ -371,9 +432,11 @@ class Engine:
         try:
             with self.tokenizer_lock:
                 if messages is not None:
-                    return pipe.encode_messages(messages, template_args)
+                    return pipe.encode_messages(messages, template_args, tools)
                 return pipe.encode(prompt, chat=False)
         except Exception as e:  # no tokenizer, a template that rejects these messages
+            if tools and "does not take tools" in str(e):
+                param = "tools"
             raise bad(f"could not tokenize the {param}: {e}", param) from e
 
     def submit(self, job: Job) -> None:
@@ -453,6 +516,7 @@ class Engine:
                 job.controller = WithFallback(job.controller, AdaptiveBlockSize(dict(self._costs),
                                                                                 pipe.drafter.block_size))
         text = TextStream(pipe, job.stops)
+        calls = ToolCallStream(job.tools) if job.tools else None
         stops = set(pipe.stop_token_ids)
         finish, status = "length", 200
         gen = generate_tokens(
@@ -470,6 +534,8 @@ class Engine:
                 job.completion_tokens += 1
                 with self.tokenizer_lock:
                     delta = text.add(token)
+                if delta and calls:
+                    delta = calls.feed(delta)
                 if delta:
                     job.emit("delta", delta)
                 m.sync_live(job)
@@ -482,8 +548,16 @@ class Engine:
             if status == 200 and not text.stopped:
                 with self.tokenizer_lock:
                     tail = text.finish()
+                if tail and calls:
+                    tail = calls.feed(tail)
                 if tail:
                     job.emit("delta", tail)
+            if status == 200 and calls:
+                rest, job.tool_calls = calls.finish()
+                if rest:
+                    job.emit("delta", rest)
+                if job.tool_calls:
+                    finish = "tool_calls"
         except Exception as e:  # a bug or an out-of-memory must not take the worker down
             log.exception("dflash serve: %s failed", job.id)
             job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error",
@@ -505,7 +579,8 @@ class Engine:
         if status != 500:  # a failure has sent its error already
             job.emit("done" if status == 200 else "cancelled", {
                 "finish_reason": finish, "prompt_tokens": len(job.prompt_ids),
-                "completion_tokens": job.completion_tokens, "cached_tokens": job.stats.cached_tokens})
+                "completion_tokens": job.completion_tokens, "cached_tokens": job.stats.cached_tokens,
+                "tool_calls": job.tool_calls})
         accept = ""
         if job.stats.mode != "target-only":
             accept = f", acceptance {row['acceptance_rate']:.0%} (mean length {row['acceptance_length_mean']:.2f})"
@@ -784,10 +859,11 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         body = await read_json(request, config.max_body_bytes)
         req = parse_common(body)
         messages = parse_messages(body.get("messages"))
+        tools = parse_tools(body)
         # vLLM's field: variables for the chat template, over the server's --chat-template-args
         template_args = config.chat_template_args | _field(body, "chat_template_kwargs", "object", {})
-        ids = await asyncio.to_thread(engine.encode, messages=messages, template_args=template_args)
-        return await respond(request, "chat", req, ids)
+        ids = await asyncio.to_thread(engine.encode, messages=messages, template_args=template_args, tools=tools)
+        return await respond(request, "chat", req, ids, tools)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -799,7 +875,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         ids = await asyncio.to_thread(engine.encode, prompt=prompt)
         return await respond(request, "completions", req, ids)
 
-    async def respond(request: Request, endpoint: str, req: GenRequest, ids: list[int]):
+    async def respond(request: Request, endpoint: str, req: GenRequest, ids: list[int],
+                      tools: list[dict] | None = None):
         pipe = engine.ready()
         prompt_param = "messages" if endpoint == "chat" else "prompt"
         room = pipe.max_context - len(ids)
@@ -812,7 +889,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         except ValueError as e:
             raise bad(str(e), req.max_tokens_param if "max_tokens" in str(e) else prompt_param) from None
         job = Job(endpoint, ids, max_tokens, req.sampler, req.stops, asyncio.get_running_loop(),
-                  fastpath=max_tokens <= config.fastpath_max_tokens)
+                  fastpath=max_tokens <= config.fastpath_max_tokens, tools=tools)
         engine.submit(job)
         if req.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -861,6 +938,10 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                     break
                 if kind == "cancelled":  # the server is stopping (a client that left reads nothing)
                     return
+                if payload.get("tool_calls"):  # whole calls in one delta, each with its index
+                    delta = {"tool_calls": [{"index": i} | c for i, c in enumerate(payload["tool_calls"])]}
+                    yield _sse(chunk(job, created, None, None) | extra | {"choices": [
+                        {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]})
                 yield _sse(chunk(job, created, None, payload["finish_reason"]) | extra)
                 if req.include_usage:
                     yield _sse(chunk(job, created, None, None, usage(payload)) | {"choices": []})
@@ -894,8 +975,10 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             job.cancel.set()
         text, created, reason = "".join(parts), int(time.time()), payload["finish_reason"]
         if job.endpoint == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
+            message = {"role": "assistant", "content": text}
+            if payload.get("tool_calls"):
+                message = {"role": "assistant", "content": text or None, "tool_calls": payload["tool_calls"]}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}

@@ -32,7 +32,10 @@ from .conftest import make_drafter, make_hf_model
 
 SPECIALS = ["[UNK]", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 TEMPLATE = (  # `preamble`: a template variable, for --chat-template-args / chat_template_kwargs
-    "{{ preamble | default('') }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{{ preamble | default('') }}{% if tools %}<|system|>{{ tools | tojson }}<|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
+    "<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a haiku about rain"}]
@@ -601,6 +604,120 @@ def test_chat_template_args(pipe, chat_model, capsys):
                      "--chat-template-args", '{"preamble": "Q"}', "--max-tokens", "2", "--json"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]["prompt_tokens"]
     assert got == len(pipe.encode("Hi")) + 1
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}
+
+
+def test_tool_calls(pipe, monkeypatch):
+    """Tools reach the chat template; a `<tool_call>{json}</tool_call>` in the model's text comes back as
+    OpenAI tool_calls (streamed or not, finish_reason "tool_calls"); history with calls and tool results
+    renders; what the server does not do is a 400. The tiny model cannot call tools, so the generation
+    is scripted: token ids of a fixed text (one token per character)."""
+    from dflash_torch import server as server_module
+
+    script = {"text": ""}
+
+    def scripted(target, prompt, *, max_new_tokens, **kw):
+        yield from pipe.encode(script["text"], chat=False)[:max_new_tokens]
+        yield pipe.stop_token_ids[0]
+
+    monkeypatch.setattr(server_module, "generate_tokens", scripted)
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    with serve(pipe) as base:
+        c = client(base)
+        script["text"] = 'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+        r = c.chat.completions.create(model="tiny", messages=user, tools=[WEATHER], max_tokens=200)
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content == "Let me look."
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        with_tools = len(pipe.encode_messages(user, tools=[WEATHER]))
+        assert r.usage.prompt_tokens == with_tools > len(pipe.encode_messages(user))
+
+        chunks = list(c.chat.completions.create(model="tiny", messages=user, tools=[WEATHER], max_tokens=200,
+                                                stream=True))
+        content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+        assert content == "Let me look." and [tc.function.name for tc in calls] == ["get_weather"]
+        assert calls[0].index == 0 and json.loads(calls[0].function.arguments) == {"city": "Paris"}
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+        # the conversation goes on with the call and its result in the history
+        history = user + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                          {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]
+        script["text"] = "It is sunny."
+        r = c.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=200)
+        assert r.choices[0].message.content == "It is sunny." and not r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "stop"
+        rendered = pipe.decode(pipe.encode_messages(server_module.parse_messages(history), tools=[WEATHER]))
+        assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered
+
+        # a call of an undeclared tool stays text; tool_choice "none" shows no tools and parses nothing
+        script["text"] = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+        r = c.chat.completions.create(model="tiny", messages=user, tools=[WEATHER], max_tokens=200)
+        assert r.choices[0].message.content == script["text"] and r.choices[0].finish_reason == "stop"
+        script["text"] = 'ok<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+        r = c.chat.completions.create(model="tiny", messages=user, tools=[WEATHER], tool_choice="none",
+                                      max_tokens=200)
+        assert r.choices[0].message.content == script["text"]
+        assert r.usage.prompt_tokens == len(pipe.encode_messages(user))
+
+        def post(**body):
+            return httpx.post(base + "/v1/chat/completions", json={"messages": user, "max_tokens": 5} | body)
+
+        for body, param in [({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+                            ({"tools": [WEATHER], "parallel_tool_calls": False}, "parallel_tool_calls"),
+                            ({"tools": [{"type": "function"}]}, "tools[0]"),
+                            ({"tools": "get_weather"}, "tools"),
+                            ({"messages": user + [{"role": "assistant", "tool_calls": "x"}]}, "messages[1].tool_calls"),
+                            ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 3}]},
+                             "messages[0].tool_call_id")]:
+            r = post(**body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, body
+    plain = dataclasses.replace(pipe)
+    plain.tokenizer = type(pipe.tokenizer).from_pretrained(str(pipe.model_path))
+    plain.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="does not take tools"):
+        plain.encode_messages(user, tools=[WEATHER])
+    with serve(plain) as base:
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": user, "tools": [WEATHER]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_tool_call_stream_any_chunking():
+    """Content before a call streams out whatever the chunk boundaries (a partial marker is held back);
+    calls parse at the end; anything that is not a clean call of a declared tool stays content."""
+    import random as rnd
+
+    from dflash_torch.tool_calls import ToolCallStream
+
+    call = '<tool_call>{"name": "get_weather", "arguments": %s}</tool_call>'
+    cases = [  # text -> (content, names of calls)
+        ("a < b and <tool not a call", ("a < b and <tool not a call", [])),
+        ("Sure." + call % '{"city": "Oslo"}', ("Sure.", ["get_weather"])),
+        (call % "{}" + "\n" + call % '"{\\"city\\": \\"Rome\\"}"', ("", ["get_weather", "get_weather"])),
+        ('<tool_call>{"name": "other", "arguments": {}}</tool_call>', (None, [])),
+        ("<tool_call>{not json</tool_call>", (None, [])),
+        (call % "{}" + " and then some prose", (None, [])),
+        ("cut short <tool_call>{\"name\": \"get_w", (None, [])),
+    ]
+    rng = rnd.Random(0)
+    for text, (content, names) in cases:
+        for _ in range(20):
+            stream, out, i = ToolCallStream([WEATHER]), [], 0
+            while i < len(text):
+                j = i + rng.randint(1, 6)
+                out.append(stream.feed(text[i:j]))
+                i = j
+            rest, calls = stream.finish()
+            assert "".join(out) + rest == (text if content is None else content), text
+            assert [c["function"]["name"] for c in calls] == names, text
+    stream = ToolCallStream([WEATHER])
+    stream.feed(call % '"{\\"city\\": \\"Rome\\"}"')
+    assert json.loads(stream.finish()[1][0]["function"]["arguments"]) == {"city": "Rome"}
 
 
 def test_model_without_tokenizer_takes_token_ids(zlab):
