@@ -1,7 +1,9 @@
 """Tool calls in the model's text -> OpenAI `tool_calls`.
 
 The chat templates of Qwen2.5 / Qwen3 / Hermes-style models show the model the tools as JSON schemas and
-have it answer a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. `ToolCallStream` sits
+have it answer a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; Qwen3-Coder and
+Qwen3.5 write the inside as XML instead: `<function=NAME><parameter=KEY>VALUE</parameter>...</function>`
+(a value is JSON unless the tool's schema says the parameter is a string). `ToolCallStream` sits
 after the stop-string filter: text before the first `<tool_call>` streams as content as usual (a tail
 that could be the start of the marker is held back), everything from the marker on is held and parsed
 when the generation ends. A block that is not a JSON call of a declared tool leaves the whole held text
@@ -22,7 +24,7 @@ class ToolCallStream:
     """Assistant text deltas in, content deltas out; `finish()` gives the rest and the calls."""
 
     def __init__(self, tools: list[dict]) -> None:
-        self.names = {t["function"]["name"] for t in tools}
+        self.tools = {t["function"]["name"]: t["function"] for t in tools}
         self.held = ""  # text not handed out yet
         self.in_call = False  # the marker has been seen: hold everything
 
@@ -47,7 +49,7 @@ class ToolCallStream:
             return rest, []
         calls = []
         for block in _BLOCK.finditer(rest):
-            call = parse_call(block.group(1), self.names)
+            call = parse_call(block.group(1), self.tools)
             if call is None:
                 return rest, []
             calls.append(call)
@@ -56,14 +58,37 @@ class ToolCallStream:
         return "", calls
 
 
-def parse_call(text: str, names: set[str]) -> dict | None:
-    """'{"name": "f", "arguments": {...}}' -> an OpenAI tool call, or None when it is not a call of one of
-    `names` (arguments may also come as a JSON string, or under "parameters")."""
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*?)</function>\s*\Z", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.S)
+
+
+def parse_call(text: str, tools: dict[str, dict]) -> dict | None:
+    """The inside of a `<tool_call>` block -> an OpenAI tool call, or None when it is not a call of one of
+    `tools` ({name: function schema}). JSON: '{"name": "f", "arguments": {...}}' (arguments may also come
+    as a JSON string, or under "parameters"); XML: '<function=f><parameter=k>v</parameter></function>'."""
+    xml = _XML_FUNCTION.match(text)
+    if xml:
+        name = xml.group(1)
+        if name not in tools:
+            return None
+        props = tools[name].get("parameters", {}).get("properties", {})
+        args = {}
+        for key, raw in _XML_PARAMETER.findall(xml.group(2)):
+            value = raw.removeprefix("\n").removesuffix("\n")
+            if props.get(key, {}).get("type") != "string":
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError:
+                    pass  # not JSON: the text itself
+            args[key] = value
+        if _XML_PARAMETER.sub("", xml.group(2)).strip():  # something besides parameters: not a clean call
+            return None
+        return _call(name, args)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError:
         return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
+    if not isinstance(obj, dict) or obj.get("name") not in tools:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
@@ -73,5 +98,9 @@ def parse_call(text: str, names: set[str]) -> dict | None:
             return None
     if not isinstance(args, dict):
         return None
+    return _call(obj["name"], args)
+
+
+def _call(name: str, args: dict) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}

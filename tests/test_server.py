@@ -703,6 +703,11 @@ def test_tool_call_stream_any_chunking():
         ("<tool_call>{not json</tool_call>", (None, [])),
         (call % "{}" + " and then some prose", (None, [])),
         ("cut short <tool_call>{\"name\": \"get_w", (None, [])),
+        # Qwen3-Coder / Qwen3.5 XML
+        ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+         "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", ("Checking.\n", ["get_weather"])),
+        ("<tool_call><function=rm_rf></function></tool_call>", (None, [])),
+        ("<tool_call><function=get_weather>oops<parameter=city>X</parameter></function></tool_call>", (None, [])),
     ]
     rng = rnd.Random(0)
     for text, (content, names) in cases:
@@ -718,6 +723,10 @@ def test_tool_call_stream_any_chunking():
     stream = ToolCallStream([WEATHER])
     stream.feed(call % '"{\\"city\\": \\"Rome\\"}"')
     assert json.loads(stream.finish()[1][0]["function"]["arguments"]) == {"city": "Rome"}
+    stream = ToolCallStream([WEATHER])  # XML values: strings stay strings (schema), the rest is JSON
+    stream.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n<parameter=days>\n3\n"
+                "</parameter>\n<parameter=units>\ncelsius\n</parameter>\n</function>\n</tool_call>")
+    assert json.loads(stream.finish()[1][0]["function"]["arguments"]) == {"city": "42", "days": 3, "units": "celsius"}
 
 
 def test_model_without_tokenizer_takes_token_ids(zlab):
