@@ -41,7 +41,8 @@ log = logging.getLogger("dflash.server")
 MAX_BODY_BYTES = 1 << 20
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # the hold-back check costs up to len(stop)^2 per token
 ROLES = ("system", "user", "assistant", "tool")
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models",
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
+             "/v1/models": "models",
              "/health": "health", "/metrics": "metrics", "/metrics.json": "metrics"}
 # Accepted by OpenAI but not implemented here: refuse rather than silently answer something else.
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "functions", "logit_bias",
@@ -267,6 +268,110 @@ def parse_prompt(value) -> str | list[int]:
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return value
     raise bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
+
+
+# --- the Responses API, on top of chat completions ----------------------------------------------
+
+# Responses fields this adapter does not implement: refused, never silently ignored.
+RESPONSES_UNSUPPORTED = ("previous_response_id", "conversation", "background", "reasoning", "include",
+                         "prompt", "max_tool_calls", "top_logprobs")
+
+
+def responses_to_chat(body: dict) -> dict:
+    """A `/v1/responses` request -> the equivalent chat completions request body (text input, function
+    tools, function calls and their outputs in `input`; not streamed)."""
+    if body.get("stream"):
+        raise bad("streaming is not supported on /v1/responses here (use /v1/chat/completions)", "stream")
+    for name in RESPONSES_UNSUPPORTED:
+        if body.get(name) is not None:
+            raise bad(f"'{name}' is not supported by this server's /v1/responses", name)
+    fmt = (_field(body, "text", "object", {}).get("format") or {}).get("type", "text")
+    if fmt != "text":
+        raise bad("only text output is supported ('text.format.type': 'text')", "text")
+    messages: list[dict] = []
+    if body.get("instructions") is not None:
+        messages.append({"role": "system", "content": _field(body, "instructions", "str")})
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad("'input' must be a non-empty string or array of items", "input")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            content = item.get("content")
+            if isinstance(content, list):
+                parts = []
+                for j, part in enumerate(content):
+                    ok = isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text")
+                    if not ok or not isinstance(part.get("text"), str):
+                        raise bad(f"{where}.content[{j}] must be a text part (input_text or output_text)",
+                                  f"{where}.content")
+                    parts.append({"type": "text", "text": part["text"]})
+                content = parts
+            messages.append({"role": item.get("role"), "content": content})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)  # several calls of one turn: one assistant message
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                raise bad(f"{where}.output must be a string", f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+        else:
+            raise bad(f"{where}: items of type message, function_call or function_call_output only",
+                      f"{where}.type")
+    chat = {"messages": messages, "stream": False}
+    for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                     ("tool_choice", "tool_choice"), ("parallel_tool_calls", "parallel_tool_calls"),
+                     ("model", "model"), ("chat_template_kwargs", "chat_template_kwargs")):
+        if body.get(src) is not None:
+            chat[dst] = body[src]
+    if body.get("tools") is not None:
+        tools = body["tools"]
+        if not isinstance(tools, list):
+            raise bad("'tools' must be an array", "tools")
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type") != "function":
+                raise bad(f"tools[{i}]: only function tools are supported", f"tools[{i}]")
+        chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                            if k in t}} for t in tools]
+    return chat
+
+
+def chat_to_response(out: dict, body: dict) -> dict:
+    """A chat.completion answer -> a Responses API `response` object."""
+    choice, usage = out["choices"][0], out["usage"]
+    msg, suffix = choice["message"], out["id"].split("-", 1)[-1]
+    output = []
+    if msg.get("content"):
+        output.append({"type": "message", "id": f"msg_{suffix}", "status": "completed", "role": "assistant",
+                       "content": [{"type": "output_text", "text": msg["content"], "annotations": []}]})
+    for k, c in enumerate(msg.get("tool_calls") or []):
+        output.append({"type": "function_call", "id": f"fc_{suffix}_{k}", "call_id": c["id"],
+                       "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+                       "status": "completed"})
+    cut = choice["finish_reason"] == "length"
+    return {
+        "id": f"resp_{suffix}", "object": "response", "created_at": out["created"], "model": out["model"],
+        "status": "incomplete" if cut else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
+        "instructions": body.get("instructions"), "output": output,
+        "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "temperature": body.get("temperature", 0.0), "top_p": body.get("top_p", 1.0),
+        "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
+        "text": {"format": {"type": "text"}}, "store": False,
+        "usage": {"input_tokens": usage["prompt_tokens"],
+                  "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                  "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": usage["total_tokens"]},
+    }
 
 
 class TextStream:
@@ -856,7 +961,10 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
     async def chat(request: Request):
         authorize(request)
         engine.ready()
-        body = await read_json(request, config.max_body_bytes)
+        return await chat_answer(request, await read_json(request, config.max_body_bytes))
+
+    async def chat_answer(request: Request, body: dict):
+        """A chat completions body -> its answer (a stream, or the chat.completion object)."""
         req = parse_common(body)
         messages = parse_messages(body.get("messages"))
         tools = parse_tools(body)
@@ -864,6 +972,13 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         template_args = config.chat_template_args | _field(body, "chat_template_kwargs", "object", {})
         ids = await asyncio.to_thread(engine.encode, messages=messages, template_args=template_args, tools=tools)
         return await respond(request, "chat", req, ids, tools)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        authorize(request)
+        engine.ready()
+        body = await read_json(request, config.max_body_bytes)
+        return chat_to_response(await chat_answer(request, responses_to_chat(body)), body)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -687,6 +687,54 @@ def test_tool_calls(pipe, monkeypatch):
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 
+def test_responses_api(server, pipe, monkeypatch):
+    """/v1/responses (non-streamed) through the official client: the same greedy text as chat
+    completions, usage and incomplete status, function tools and their outputs, clear 400s."""
+    c = client(server)
+    ids = pipe.encode("Write a haiku about rain")
+    r = c.responses.create(model="tiny", input="Write a haiku about rain", max_output_tokens=20)
+    assert r.output_text == solo(pipe, ids, 20) and r.status == "incomplete"
+    assert r.incomplete_details.reason == "max_output_tokens" and r.id.startswith("resp_")
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (len(ids), 20)
+    text = [{"type": "input_text", "text": "Write a haiku about rain"}]
+    r = c.responses.create(model="tiny", instructions="Be brief.", max_output_tokens=30,
+                           input=[{"role": "user", "content": text}])
+    chat = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=30)
+    assert r.output_text == chat.choices[0].message.content
+
+    from dflash_torch import server as server_module
+
+    script = {"text": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'}
+
+    def scripted(target, prompt, *, max_new_tokens, **kw):
+        yield from pipe.encode(script["text"], chat=False)[:max_new_tokens]
+        yield pipe.stop_token_ids[0]
+
+    monkeypatch.setattr(server_module, "generate_tokens", scripted)
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    r = c.responses.create(model="tiny", input="Weather in Paris?", tools=[tool], max_output_tokens=200)
+    call = r.output[0]
+    assert call.type == "function_call" and call.name == "get_weather" and r.status == "completed"
+    assert json.loads(call.arguments) == {"city": "Paris"}
+    script["text"] = "Sunny."
+    r = c.responses.create(model="tiny", tools=[tool], max_output_tokens=200, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}])
+    assert r.output_text == "Sunny."
+
+    def post(**body):
+        return httpx.post(server + "/v1/responses", json={"input": "hi", "max_output_tokens": 4} | body)
+
+    for body, param in [({"stream": True}, "stream"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+                        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content"),
+                        ({"tools": [{"type": "web_search"}]}, "tools[0]"), ({"input": []}, "input"),
+                        ({"text": {"format": {"type": "json_schema"}}}, "text"),
+                        ({"input": [{"type": "reasoning"}]}, "input[0].type")]:
+        r = post(**body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, body
+
+
 def test_tool_call_stream_any_chunking():
     """Content before a call streams out whatever the chunk boundaries (a partial marker is held back);
     calls parse at the end; anything that is not a clean call of a declared tool stays content."""
