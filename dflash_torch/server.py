@@ -665,6 +665,11 @@ class Engine:
                     finish = "tool_calls"
         except Exception as e:  # a bug or an out-of-memory must not take the worker down
             log.exception("dflash serve: %s failed", job.id)
+            if self.prefix is not None and self.prefix.entries and "out of memory" in str(e).lower():
+                # the kept caches may be what crowded this request out: free them for the next one
+                log.warning("dflash serve: out of memory; prefix cache emptied (%d MiB); see "
+                            "--prefix-cache-max-bytes", self.prefix.nbytes >> 20)
+                self.prefix.clear()
             job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error",
                                        counted=True))
             finish, status = "error", 500

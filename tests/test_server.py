@@ -580,6 +580,25 @@ def test_conversation_turns_start_from_the_prefix_cache(pipe):
     assert [row["cached_tokens"] for row in info["recent"]] == [n for _, n in warm]
 
 
+def test_out_of_memory_empties_the_prefix_cache(pipe, monkeypatch):
+    from dflash_torch import server as server_module
+
+    with serve(pipe) as base:
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 8})
+        assert r.status_code == 200 and metrics_json(base)["prefix_cache"]["entries"] == 1
+
+        def oom(*a, **k):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            yield
+
+        monkeypatch.setattr(server_module, "generate_tokens", oom)
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 8})
+        assert r.status_code == 500 and metrics_json(base)["prefix_cache"]["entries"] == 0
+        monkeypatch.undo()
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 8})
+        assert r.status_code == 200  # and it serves on
+
+
 def test_chat_template_args(pipe, chat_model, capsys):
     """--chat-template-args sets chat template variables for every request; a request's
     chat_template_kwargs (vLLM's field) override them; anything but an object is a 400."""
