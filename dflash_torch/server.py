@@ -15,6 +15,7 @@ This module does not use `from __future__ import annotations`: FastAPI reads the
 import argparse
 import asyncio
 import hmac
+import itertools
 import json
 import logging
 import math
@@ -279,9 +280,7 @@ RESPONSES_UNSUPPORTED = ("previous_response_id", "conversation", "background", "
 
 def responses_to_chat(body: dict) -> dict:
     """A `/v1/responses` request -> the equivalent chat completions request body (text input, function
-    tools, function calls and their outputs in `input`; not streamed)."""
-    if body.get("stream"):
-        raise bad("streaming is not supported on /v1/responses here (use /v1/chat/completions)", "stream")
+    tools, function calls and their outputs in `input`)."""
     for name in RESPONSES_UNSUPPORTED:
         if body.get(name) is not None:
             raise bad(f"'{name}' is not supported by this server's /v1/responses", name)
@@ -326,7 +325,7 @@ def responses_to_chat(body: dict) -> dict:
         else:
             raise bad(f"{where}: items of type message, function_call or function_call_output only",
                       f"{where}.type")
-    chat = {"messages": messages, "stream": False}
+    chat = {"messages": messages, "stream": bool(_field(body, "stream", "bool", False))}
     for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                      ("tool_choice", "tool_choice"), ("parallel_tool_calls", "parallel_tool_calls"),
                      ("model", "model"), ("chat_template_kwargs", "chat_template_kwargs")):
@@ -345,7 +344,8 @@ def responses_to_chat(body: dict) -> dict:
 
 
 def chat_to_response(out: dict, body: dict) -> dict:
-    """A chat.completion answer -> a Responses API `response` object."""
+    """A chat.completion answer -> a Responses API `response` object (item ids as `response_events` streams
+    them)."""
     choice, usage = out["choices"][0], out["usage"]
     msg, suffix = choice["message"], out["id"].split("-", 1)[-1]
     output = []
@@ -968,22 +968,92 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         engine.ready()
         return await chat_answer(request, await read_json(request, config.max_body_bytes))
 
-    async def chat_answer(request: Request, body: dict):
-        """A chat completions body -> its answer (a stream, or the chat.completion object)."""
+    async def chat_answer(request: Request, body: dict, streamer=None):
+        """A chat completions body -> its answer (a stream, or the chat.completion object). `streamer(job,
+        req)`: the server-sent events of a streamed answer (default: chat completion chunks)."""
         req = parse_common(body)
         messages = parse_messages(body.get("messages"))
         tools = parse_tools(body)
         # vLLM's field: variables for the chat template, over the server's --chat-template-args
         template_args = config.chat_template_args | _field(body, "chat_template_kwargs", "object", {})
         ids = await asyncio.to_thread(engine.encode, messages=messages, template_args=template_args, tools=tools)
-        return await respond(request, "chat", req, ids, tools)
+        return await respond(request, "chat", req, ids, tools, streamer)
 
     @app.post("/v1/responses")
     async def responses(request: Request):
         authorize(request)
         engine.ready()
         body = await read_json(request, config.max_body_bytes)
-        return chat_to_response(await chat_answer(request, responses_to_chat(body)), body)
+        chat = responses_to_chat(body)
+        if chat["stream"]:
+            return await chat_answer(request, chat, streamer=lambda job, req: response_events(job, body))
+        return chat_to_response(await chat_answer(request, chat), body)
+
+    async def response_events(job: Job, body: dict) -> AsyncIterator[str]:
+        """The Responses API's server-sent events for one generation: created, text deltas of one message
+        item, then each function call as an item, then completed (or incomplete) with the whole response."""
+        seq, created = itertools.count(), int(time.time())
+        suffix = job.id.split("-", 1)[-1]
+        mid = f"msg_{suffix}"
+
+        def event(kind: str, **fields) -> str:
+            data = {"type": kind, "sequence_number": next(seq)} | fields
+            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        def message(text: str, status: str) -> dict:
+            content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+            return {"type": "message", "id": mid, "status": status, "role": "assistant", "content": content}
+
+        skeleton = {"id": f"resp_{suffix}", "object": "response", "created_at": created, "model": engine.name,
+                    "status": "in_progress", "output": [], "tools": body.get("tools") or [],
+                    "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": True,
+                    "instructions": body.get("instructions"), "error": None, "incomplete_details": None,
+                    "metadata": body.get("metadata") or {}}
+        part = {"type": "output_text", "text": "", "annotations": []}
+        try:
+            yield event("response.created", response=skeleton)
+            yield event("response.in_progress", response=skeleton)
+            texts: list[str] = []
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "delta":
+                    if not texts:
+                        yield event("response.output_item.added", output_index=0, item=message("", "in_progress"))
+                        yield event("response.content_part.added", item_id=mid, output_index=0, content_index=0,
+                                    part=part)
+                    texts.append(payload)
+                    yield event("response.output_text.delta", item_id=mid, output_index=0, content_index=0,
+                                delta=payload, logprobs=[])
+                    continue
+                if kind == "error":
+                    yield event("error", code=payload.code or payload.type, message=payload.message, param=None)
+                    return
+                if kind == "cancelled":
+                    return
+                break
+            text = "".join(texts)
+            if texts:
+                yield event("response.output_text.done", item_id=mid, output_index=0, content_index=0, text=text,
+                            logprobs=[])
+                yield event("response.content_part.done", item_id=mid, output_index=0, content_index=0,
+                            part=part | {"text": text})
+                yield event("response.output_item.done", output_index=0, item=message(text, "completed"))
+            out = {"id": job.id, "created": created, "model": engine.name, "usage": usage(payload),
+                   "choices": [{"finish_reason": payload["finish_reason"],
+                                "message": {"content": text or None, "tool_calls": payload.get("tool_calls")}}]}
+            response = chat_to_response(out, body)
+            for k, item in enumerate(response["output"][1 if texts else 0:], start=1 if texts else 0):
+                yield event("response.output_item.added", output_index=k,
+                            item=item | {"status": "in_progress", "arguments": ""})
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
+                            delta=item["arguments"])
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
+                            arguments=item["arguments"])
+                yield event("response.output_item.done", output_index=k, item=item)
+            done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+            yield event(done, response=response)
+        finally:
+            job.cancel.set()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -996,7 +1066,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         return await respond(request, "completions", req, ids)
 
     async def respond(request: Request, endpoint: str, req: GenRequest, ids: list[int],
-                      tools: list[dict] | None = None):
+                      tools: list[dict] | None = None, streamer=None):
         pipe = engine.ready()
         prompt_param = "messages" if endpoint == "chat" else "prompt"
         room = pipe.max_context - len(ids)
@@ -1013,7 +1083,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         engine.submit(job)
         if req.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(stream(job, req), media_type="text/event-stream", headers=headers)
+            events = (streamer or stream)(job, req)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         return await collect(request, job)
 
     def chunk(job: Job, created: int, text: str | None, finish: str | None, usage: dict | None = None) -> dict:

@@ -721,6 +721,15 @@ def test_responses_api(server, pipe, monkeypatch):
     chat = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=30)
     assert r.output_text == chat.choices[0].message.content
 
+    # streamed: the same text in output_text.delta events, then the whole response
+    events = list(c.responses.create(model="tiny", input="Write a haiku about rain", max_output_tokens=20,
+                                     stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == solo(pipe, ids, 20)
+    assert events[-1].response.output_text == solo(pipe, ids, 20)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
     from dflash_torch import server as server_module
 
     script = {"text": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'}
@@ -735,6 +744,11 @@ def test_responses_api(server, pipe, monkeypatch):
     call = r.output[0]
     assert call.type == "function_call" and call.name == "get_weather" and r.status == "completed"
     assert json.loads(call.arguments) == {"city": "Paris"}
+    events = list(c.responses.create(model="tiny", input="Weather in Paris?", tools=[tool], max_output_tokens=200,
+                                     stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and json.loads(done[0].arguments) == {"city": "Paris"}
+    assert events[-1].type == "response.completed" and events[-1].response.output[0].name == "get_weather"
     script["text"] = "Sunny."
     r = c.responses.create(model="tiny", tools=[tool], max_output_tokens=200, input=[
         {"role": "user", "content": "Weather in Paris?"},
@@ -745,7 +759,7 @@ def test_responses_api(server, pipe, monkeypatch):
     def post(**body):
         return httpx.post(server + "/v1/responses", json={"input": "hi", "max_output_tokens": 4} | body)
 
-    for body, param in [({"stream": True}, "stream"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    for body, param in [({"stream": "yes"}, "stream"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
                         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content"),
                         ({"tools": [{"type": "web_search"}]}, "tools[0]"), ({"input": []}, "input"),
                         ({"text": {"format": {"type": "json_schema"}}}, "text"),
