@@ -3,11 +3,14 @@
 The chat templates of Qwen2.5 / Qwen3 / Hermes-style models show the model the tools as JSON schemas and
 have it answer a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; Qwen3-Coder and
 Qwen3.5 write the inside as XML instead: `<function=NAME><parameter=KEY>VALUE</parameter>...</function>`
-(a value is JSON unless the tool's schema says the parameter is a string). `ToolCallStream` sits
+(a value is JSON unless the tool's schema says the parameter is a string). Llama 3.x answers a call
+with the bare JSON as the whole reply (`{"name": ..., "parameters": {...}}`, several joined by ";").
+`ToolCallStream` sits
 after the stop-string filter: text before the first `<tool_call>` streams as content as usual (a tail
 that could be the start of the marker is held back), everything from the marker on is held and parsed
 when the generation ends. A block that is not a JSON call of a declared tool leaves the whole held text
-as content: nothing the model wrote is dropped.
+as content: nothing the model wrote is dropped. A reply that starts with "{" is held whole (it may be a
+bare call) and handed out at the end if it is not one.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class ToolCallStream:
         self.tools = {t["function"]["name"]: t["function"] for t in tools}
         self.held = ""  # text not handed out yet
         self.in_call = False  # the marker has been seen: hold everything
+        self.started = False  # something but whitespace has come
+        self.bare = False  # the reply starts with "{": maybe bare JSON calls (Llama 3.x)
 
     def feed(self, delta: str) -> str:
         """The content that can go out now."""
@@ -34,6 +39,15 @@ class ToolCallStream:
             self.held += delta
             return ""
         text = self.held + delta
+        if not self.started:
+            if not text.strip():
+                self.held = text
+                return ""
+            self.started = True
+            if text.lstrip().startswith("{"):
+                self.in_call = self.bare = True
+                self.held = text
+                return ""
         i = text.find(OPEN)
         if i >= 0:
             self.in_call, self.held = True, text[i:]
@@ -47,6 +61,9 @@ class ToolCallStream:
         rest, self.held = self.held, ""
         if not self.in_call:
             return rest, []
+        if self.bare:
+            calls = [parse_call(part, self.tools) for part in _json_objects(rest)]
+            return ("", calls) if calls and all(calls) else (rest, [])
         calls = []
         for block in _BLOCK.finditer(rest):
             call = parse_call(block.group(1), self.tools)
@@ -99,6 +116,22 @@ def parse_call(text: str, tools: dict[str, dict]) -> dict | None:
     if not isinstance(args, dict):
         return None
     return _call(obj["name"], args)
+
+
+def _json_objects(text: str) -> list[str]:
+    """'{...}; {...}' -> the JSON objects' texts; [] if anything else is in between or around."""
+    decoder, out, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and (text[i].isspace() or (text[i] == ";" and out)):
+            i += 1
+        if i == len(text):
+            return out
+        try:
+            _, end = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return []
+        out.append(text[i:end])
+        i = end
 
 
 def _call(name: str, args: dict) -> dict:

@@ -789,6 +789,13 @@ def test_tool_call_stream_any_chunking():
          "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", ("Checking.\n", ["get_weather"])),
         ("<tool_call><function=rm_rf></function></tool_call>", (None, [])),
         ("<tool_call><function=get_weather>oops<parameter=city>X</parameter></function></tool_call>", (None, [])),
+        # Llama 3.x: the bare JSON is the whole reply
+        (' {"name": "get_weather", "parameters": {"city": "Oslo"}}', ("", ["get_weather"])),
+        ('{"name": "get_weather", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "X"}}',
+         ("", ["get_weather", "get_weather"])),
+        ('{"answer": 42}', (None, [])),
+        ('{"name": "get_weather", "parameters": {}} and more', (None, [])),
+        ("  Hello {there}", (None, [])),
     ]
     rng = rnd.Random(0)
     for text, (content, names) in cases:
