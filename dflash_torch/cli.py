@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_doctor)
 
     # Each of these modules defines its own sub-command (its heavy imports happen when it runs).
-    for module in ("server", "bench", "train", "profile"):
+    for module in ("chat", "server", "bench", "train", "profile"):
         if importlib.util.find_spec(f"dflash_torch.{module}") is not None:
             importlib.import_module(f"dflash_torch.{module}").add_parser(sub)
     return parser
