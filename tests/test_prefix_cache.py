@@ -229,3 +229,36 @@ def test_single_cache_targets(tiny_models, tmp_path):
     _gen(target, [1, 2, 3], 4, drafter)  # without the prefix cache: the one cache is rewound for it
     _, stats = _gen(target, prompt, 4, drafter, prefix)
     assert stats.cached_tokens == 0  # so the entry that held it is not used
+
+
+@torch.inference_mode()
+def test_random_request_sequences(targets):
+    """Random request streams against one prefix cache (2 entries): prompts that extend, branch off or
+    repeat earlier conversations at any point, replies of any length, some read only in part. Every
+    reply equals a cold run (near-ties skipped) and every kept entry describes its cache."""
+    rng = random.Random(7)
+    for name, target, drafter in targets:
+        vocab = target.config.vocab_size
+        prefix = PrefixCache(max_entries=2)
+        history: list[list[int]] = [[rng.randrange(vocab - 1) for _ in range(6)]]
+        for step in range(14):
+            base = rng.choice(history)
+            cut = rng.randint(1, len(base))  # branch off anywhere (the whole of it: extend or repeat)
+            prompt = base[:cut] + [rng.randrange(vocab - 1) for _ in range(rng.choice([0, 0, 1, 4]))]
+            n = rng.randint(1, 12)
+            d = drafter if step % 3 else None
+            cold, _ = _gen(target, prompt, n, d)
+            gen = generate_tokens(target, prompt, max_new_tokens=n, drafter=d, prefix=prefix, lookup=step % 2 == 0)
+            read = rng.randint(1, n) if step % 4 == 3 else n
+            got = []
+            for token in gen:
+                got.append(token)
+                if len(got) == read:
+                    break
+            gen.close()
+            if clear_margins(target, prompt, cold):
+                assert got == cold[: len(got)], (name, step)
+            for e in prefix.entries:
+                assert e.cache.length == len(e.ids) and e.prompt_len <= len(e.ids) + 1, (name, step)
+                assert e.hidden is None or e.hidden.shape[1] == len(e.ids), (name, step)
+            history.append(prompt + got)
