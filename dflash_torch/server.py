@@ -1061,6 +1061,9 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         engine.ready()
         body = await read_json(request, config.max_body_bytes)
         req = parse_common(body)
+        for name in ("tools", "tool_choice", "chat_template_kwargs", "messages"):  # chat fields: not here
+            if body.get(name) is not None:
+                raise bad(f"'{name}' belongs to /v1/chat/completions, not /v1/completions", name)
         prompt = parse_prompt(body.get("prompt"))
         ids = await asyncio.to_thread(engine.encode, prompt=prompt)
         return await respond(request, "completions", req, ids)

@@ -756,6 +756,10 @@ def test_responses_api(server, pipe, monkeypatch):
         {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}])
     assert r.output_text == "Sunny."
 
+    for name, value in (("tools", [WEATHER]), ("chat_template_kwargs", {"a": 1}), ("messages", MSGS)):
+        r = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, name: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name  # chat fields: refused, not ignored
+
     def post(**body):
         return httpx.post(server + "/v1/responses", json={"input": "hi", "max_output_tokens": 4} | body)
 
