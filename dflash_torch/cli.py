@@ -168,6 +168,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(f"cache: {loading.cache_home()}")
     shipped = registry.drafter_for(loading.DEFAULT_MODEL_NAME)
     print(f"default drafter: {shipped or 'not shipped in this install (target-only)'}")
+    # optional packages: what each one adds, and whether it is here
+    from importlib.metadata import PackageNotFoundError, version
+
+    for package, use in (("flash-linear-attention", "Qwen3.5 Gated DeltaNet kernels on CUDA"),
+                         ("llama-cpp-python", "dflash bench --peer llamacpp"),
+                         ("transformers", "tokenizers and chat templates, dflash bench --peer hf, training data")):
+        try:
+            found = version(package)
+        except PackageNotFoundError:
+            found = "not installed"
+        print(f"{package} ({use}): {found}")
     return 0
 
 

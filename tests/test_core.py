@@ -240,3 +240,12 @@ def test_default_model_generates_text(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.glob("models/*/model.safetensors"))  # converted once, into the cache
     assert main(args) == 0  # reused
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"] == out["token_ids"]
+
+
+def test_doctor_lists_the_install(capsys):
+    from dflash_torch import cli
+
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "default drafter:" in out
+    assert all(f"{name} (" in out for name in ("flash-linear-attention", "llama-cpp-python", "transformers"))
