@@ -249,9 +249,11 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
                 break
         cache.crop(pos + len(new))  # keep token + the accepted drafts; the last new token is not in yet
         if speculative:
-            pending.append(out.hidden[:, : len(new)])
-            if session is not None:
-                session.hidden.append(pending[-1])
+            kept = out.hidden[:, : len(new)]
+            if session is not None:  # held until the prefix cache takes it: not the whole block's features
+                kept = kept.clone() if len(new) < bs else kept
+                session.hidden.append(kept)
+            pending.append(kept)
         stats.record_cycle(bs - 1, accepted, len(new))
         stats.generated_tokens += len(new)
         now = time.perf_counter()
