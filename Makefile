@@ -25,6 +25,9 @@ serve: install
 generate: install
 	$(VENV)/bin/dflash generate --prompt "Write a haiku about rain"
 
+chat: install
+	$(VENV)/bin/dflash chat
+
 test: install
 	$(VENV)/bin/ruff check dflash_torch tests
 	$(PY) -m pytest -q
@@ -33,4 +36,4 @@ lint: install
 	$(VENV)/bin/ruff check dflash_torch tests
 	$(VENV)/bin/ruff format --check dflash_torch tests
 
-.PHONY: install serve generate test lint
+.PHONY: install serve generate chat test lint

@@ -53,6 +53,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
         costs = calibrate(pipe.target, pipe.drafter)  # seconds per cycle by block size, measured once
     interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:  # not on every platform
+            pass
     print(f"dflash chat: {pipe.name}; /reset forgets the conversation, /exit or Ctrl-D ends it", file=sys.stderr)
     while True:
         try:
