@@ -12,6 +12,10 @@ State with no position axis (Qwen3.5's Gated DeltaNet conv and recurrent state) 
 where it was: at the end of the earlier request (the cache as it is), inside that request's last pass
 (the cache's own rollback), or at the end of its prompt (a copy taken after the prefill).
 
+With a `DiskStore`, entries pushed out of memory are written to files and read back into a new cache
+when a later prompt matches one of them better than anything in memory (a prefill on a CPU costs far
+more than reading its keys and values back).
+
 Reusing keys and values computed by earlier passes is exact arithmetic on the same numbers, but not
 always the same bits as one prefill over the whole prompt would give (a pass over many positions rounds
 differently from passes over few); every emitted token is still the target's choice given its cache.
@@ -19,7 +23,11 @@ differently from passes over few); every emitted token is still the target's cho
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -69,12 +77,13 @@ class PrefixCache:
     first. A generation takes the entry that covers most of its prompt and gives it back, extended by
     its reply, when it ends (`speculative.generate_tokens(prefix=...)`)."""
 
-    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES,
+                 disk: DiskStore | None = None) -> None:
         if max_entries < 1 or max_bytes < 1:
             raise ValueError("a prefix cache needs max_entries >= 1 and max_bytes >= 1")
-        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.max_entries, self.max_bytes, self.disk = max_entries, max_bytes, disk
         self.entries: list[Entry] = []
-        self.hits = self.misses = self.cached_tokens = 0
+        self.hits = self.misses = self.cached_tokens = self.disk_hits = 0
 
     @property
     def nbytes(self) -> int:
@@ -93,16 +102,25 @@ class PrefixCache:
         for e in self.entries:  # most recent first: it wins a tie
             if need_hidden and e.hidden is None:
                 continue
-            m = _usable(e, prompt)
+            hybrid = hasattr(e.cache, "restore")
+            m = _usable(e.ids, e.prompt_len, e.logits is not None, prompt, lambda m, e=e, hybrid=hybrid: not hybrid or (
+                m == e.prompt_len and e.prompt_state is not None) or e.cache.can_crop(m))
             if m > 0 and (best is None or m > best[0]):
                 best = (m, e)
+        stored = self._best_stored(prompt, need_hidden)
+        if stored is not None and stored[0] > (best[0] if best else 0):  # read it back into a new cache
+            if getattr(target, "single_cache", False):  # the new cache is the one cache entries hold
+                self.entries.clear()
+            best = (stored[0], self.disk.load(stored[1], target, capacity))
+            self.disk_hits += 1
         if best is None:
             self.misses += 1
             if getattr(target, "single_cache", False):  # its new_cache rewinds the one cache entries hold
                 self.entries.clear()
             return None
         m, e = best
-        self.entries.remove(e)
+        if e in self.entries:
+            self.entries.remove(e)
         if m == e.prompt_len and e.prompt_state is not None and m != e.cache.length:
             e.cache.restore(m, e.prompt_state)  # hybrid: the state saved after that prompt's prefill
         elif m != e.cache.length:
@@ -143,24 +161,138 @@ class PrefixCache:
         e.nbytes = cache_bytes(cache) + (0 if hidden is None else hidden.nbytes)
         self.entries.insert(0, e)
         while self.entries and (len(self.entries) > self.max_entries or self.nbytes > self.max_bytes):
-            self.entries.pop()
+            old = self.entries.pop()
+            if self.disk is not None:
+                self.disk.save(old)
+
+    def _best_stored(self, prompt: list[int], need_hidden: bool) -> tuple[int, Stored] | None:
+        """(tokens it covers, the stored entry) that covers the most of `prompt`, or None."""
+        best = None
+        for s in self.disk.entries if self.disk is not None else []:
+            if need_hidden and not s.has_hidden:
+                continue
+            m = _usable(s.ids, s.prompt_len, s.has_logits, prompt, lambda m, s=s: not s.hybrid or m == len(s.ids) or (
+                m == s.prompt_len and s.has_prompt_state))
+            if m > 0 and (best is None or m > best[0]):
+                best = (m, s)
+        return best
 
 
-def _usable(e: Entry, prompt: list[int]) -> int:
-    """How many of `prompt`'s first tokens entry `e` can give back (0: none)."""
+def _usable(ids: list[int], prompt_len: int, has_logits: bool, prompt: list[int], restorable) -> int:
+    """How many of `prompt`'s first tokens a cache of `ids` (for a request whose prompt was
+    ids[:prompt_len]) can give back (0: none); `restorable(m)`: whether its state can go back to m
+    (keys/values: any m; a hybrid's conv/recurrent state: only where it is known)."""
     m = 0
-    limit = min(len(e.ids), len(prompt))
-    while m < limit and e.ids[m] == prompt[m]:
+    limit = min(len(ids), len(prompt))
+    while m < limit and ids[m] == prompt[m]:
         m += 1
-    if m == len(prompt) == e.prompt_len and e.logits is not None:
-        return m  # the earlier request's own prompt: nothing to prefill
-    m = min(m, len(prompt) - 1)  # else the prompt's last token must run, for its logits
-    if not hasattr(e.cache, "restore"):
-        return m  # keys/values only: any length
-    # hybrid: where the conv/recurrent state is known
-    if (m == e.prompt_len and e.prompt_state is not None) or e.cache.can_crop(m):
-        return m
-    return 0
+    if m == len(prompt) == prompt_len and has_logits:
+        m_ok = m  # the earlier request's own prompt: nothing to prefill
+    else:
+        m_ok = min(m, len(prompt) - 1)  # else the prompt's last token must run, for its logits
+    return m_ok if m_ok > 0 and restorable(m_ok) else 0
+
+
+@dataclass
+class Stored:
+    """An entry written to disk by `DiskStore`: what choosing it needs, in memory; the tensors in a file."""
+
+    ids: list[int]
+    prompt_len: int
+    path: Path
+    nbytes: int
+    has_hidden: bool
+    has_logits: bool
+    hybrid: bool
+    has_prompt_state: bool
+
+
+class DiskStore:
+    """Entries pushed out of memory, as safetensors files (at most `max_bytes` of them, most recent kept)
+    in a directory of their own under `directory`, made for this process and removed when it exits, so
+    files of another run (another model) are never read."""
+
+    def __init__(self, directory: str | Path, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError("a disk store needs max_bytes >= 1")
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix="dflash-prefix-", dir=directory))
+        atexit.register(shutil.rmtree, self.dir, True)
+        self.max_bytes = max_bytes
+        self.entries: list[Stored] = []
+        self._count = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.entries)
+
+    def save(self, e: Entry) -> None:
+        """Write entry `e` (its cache's first len(e.ids) positions) to a file; forget the oldest files over
+        the budget."""
+        from safetensors.torch import save_file
+
+        n, cache, t = len(e.ids), e.cache, {}
+        for i, kv in enumerate(_kv_list(cache)):
+            t[f"k{i}"], t[f"v{i}"] = kv.k[:, :, :, :n], kv.v[:, :, :, :n]
+        hybrid = hasattr(cache, "restore")
+        if hybrid:  # the state at the end, and (if kept) after the prompt
+            states = [("conv", cache.conv), ("rec", cache.recurrent)]
+            if e.prompt_state is not None:
+                states += [("pconv", e.prompt_state[0]), ("prec", e.prompt_state[1])]
+            for name, tensors in states:
+                t |= {f"{name}{j}": x for j, x in enumerate(tensors)}
+        if e.hidden is not None:
+            t["hidden"] = e.hidden
+        if e.logits is not None:
+            t["logits"] = e.logits
+        self._count += 1
+        path = self.dir / f"{self._count:08d}.safetensors"
+        save_file({k: v.detach().contiguous().cpu() for k, v in t.items()}, str(path))
+        self.entries.insert(0, Stored(list(e.ids), e.prompt_len, path, path.stat().st_size, e.hidden is not None,
+                                      e.logits is not None, hybrid, e.prompt_state is not None))
+        while self.entries and self.nbytes > self.max_bytes:
+            self.entries.pop().path.unlink(missing_ok=True)
+
+    def load(self, s: Stored, target, capacity: int) -> Entry:
+        """Read stored entry `s` back into a new cache of at least `capacity` positions (the file is removed:
+        the entry lives in memory again)."""
+        from safetensors.torch import load_file
+
+        self.entries.remove(s)
+        device = target.embed_tokens.weight.device
+        t = load_file(str(s.path), device=str(device))
+        s.path.unlink(missing_ok=True)
+        n = len(s.ids)
+        cache = target.new_cache(capacity_for(max(capacity, n + 1)))
+        for i, kv in enumerate(_kv_list(cache)):
+            kv.k[:, :, :, :n].copy_(t[f"k{i}"])
+            kv.v[:, :, :, :n].copy_(t[f"v{i}"])
+        cache.length = n
+        prompt_state = None
+        if s.hybrid:
+            count = len(cache.conv)
+            cache.restore(n, ([t[f"conv{j}"] for j in range(count)], [t[f"rec{j}"] for j in range(count)]))
+            if s.has_prompt_state:
+                prompt_state = ([t[f"pconv{j}"] for j in range(count)], [t[f"prec{j}"] for j in range(count)])
+        hidden, logits = t.get("hidden"), t.get("logits")
+        e = Entry(list(s.ids), cache, hidden, s.prompt_len, logits, prompt_state,
+                  handed_out=getattr(target, "handed_out", None))
+        e.nbytes = cache_bytes(cache) + (0 if hidden is None else hidden.nbytes)
+        return e
+
+    def clear(self) -> None:
+        for s in self.entries:
+            s.path.unlink(missing_ok=True)
+        self.entries.clear()
+
+
+def _kv_list(cache) -> list:
+    """The `KVCache`s of a target cache, in a fixed order."""
+    if hasattr(cache, "groups"):  # Gemma 4: one per shape
+        return [cache.groups[k] for k in sorted(cache.groups)]
+    if hasattr(cache, "kv"):  # Qwen3.5
+        return [cache.kv]
+    return [cache]
 
 
 def capacity_for(length: int) -> int:
@@ -173,22 +305,13 @@ def moved(target, cache, length: int, capacity: int):
     """A new cache of `capacity` positions holding the first `length` of `cache` (which is at `length`:
     a hybrid cache's conv/recurrent state goes along as it is)."""
     new = target.new_cache(capacity)
-    for src, dst in _kv_pairs(cache, new):
+    for src, dst in zip(_kv_list(cache), _kv_list(new)):
         dst.k[:, :, :, :length].copy_(src.k[:, :, :, :length])  # [L, B, Hkv, S, D]
         dst.v[:, :, :, :length].copy_(src.v[:, :, :, :length])
     new.length = length
     if hasattr(cache, "restore"):
         new.restore(length, (cache.conv, cache.recurrent))
     return new
-
-
-def _kv_pairs(a, b) -> list:
-    """The (source, destination) `KVCache` pairs of two target caches of one model."""
-    if hasattr(a, "groups"):  # Gemma 4: one KVCache per shape
-        return [(a.groups[k], b.groups[k]) for k in a.groups]
-    if hasattr(a, "kv"):  # Qwen3.5
-        return [(a.kv, b.kv)]
-    return [(a, b)]
 
 
 def cache_bytes(cache) -> int:

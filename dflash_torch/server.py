@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
 from .fallback import FallbackController
 from .generate import Detokenizer, Pipeline, check_lengths, load
-from .prefix_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, PrefixCache
+from .prefix_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DiskStore, PrefixCache
 from .quantize import exact_prefill
 from .sampling import Sampler
 from .speculative import Stats, generate_tokens
@@ -72,6 +72,8 @@ class ServerConfig:
     lookup: bool | None = None  # prompt-lookup drafts beside the drafter (None: on whenever the drafter is)
     prefix_cache_max_entries: int = DEFAULT_MAX_ENTRIES  # finished requests' caches kept for reuse (0: off)
     prefix_cache_max_bytes: int = DEFAULT_MAX_BYTES
+    prefix_cache_l2_dir: str | None = None  # entries pushed out of memory go to files here (None: dropped)
+    prefix_cache_l2_max_bytes: int = 16 << 30
     chat_template_args: dict = field(default_factory=dict)  # chat template variables (a request's own win)
     max_body_bytes: int = MAX_BODY_BYTES
     recent: int = 32  # finished requests kept for /metrics?format=json
@@ -487,8 +489,11 @@ class Engine:
         self.lookup_costs: dict[int, float] = {}  # seconds per verify width, measured by prompt lookup
         self._costs: dict[int, float] | None = None  # seconds per cycle by block size (--adaptive)
         # caches of finished requests: a conversation's next turn prefills only what is new
-        self.prefix = (PrefixCache(config.prefix_cache_max_entries, config.prefix_cache_max_bytes)
-                       if config.prefix_cache_max_entries > 0 else None)
+        self.prefix = None
+        if config.prefix_cache_max_entries > 0:
+            disk = (DiskStore(config.prefix_cache_l2_dir, config.prefix_cache_l2_max_bytes)
+                    if config.prefix_cache_l2_dir else None)
+            self.prefix = PrefixCache(config.prefix_cache_max_entries, config.prefix_cache_max_bytes, disk)
         self.exact_prefill = False
         self.stopping = False
         self.metrics = Metrics(self)
@@ -595,6 +600,9 @@ class Engine:
         prefix = "off"
         if self.prefix:
             prefix = f"{c.prefix_cache_max_entries} entries, {c.prefix_cache_max_bytes / 2**20:.0f} MiB"
+            if self.prefix.disk is not None:
+                gib = c.prefix_cache_l2_max_bytes / 2**30
+                prefix += f", then up to {gib:.1f} GiB of files in {self.prefix.disk.dir}"
             if self.exact_prefill:
                 prefix += ", prefills one query at a time (exact reuse with quantized weights)"
         log.info("dflash serve: model %s (%s), context %d tokens", p.name, p.model_path, p.max_context)
@@ -838,7 +846,10 @@ class Metrics:
             "metrics": figures,
             "prefix_cache": None if e.prefix is None else {
                 "entries": len(e.prefix.entries), "max_entries": e.prefix.max_entries, "bytes": e.prefix.nbytes,
-                "max_bytes": e.prefix.max_bytes, "hits": e.prefix.hits, "misses": e.prefix.misses},
+                "max_bytes": e.prefix.max_bytes, "hits": e.prefix.hits, "misses": e.prefix.misses,
+                "disk": None if e.prefix.disk is None else {
+                    "entries": len(e.prefix.disk.entries), "bytes": e.prefix.disk.nbytes,
+                    "max_bytes": e.prefix.disk.max_bytes, "hits": e.prefix.disk_hits}},
             "current": job.summary() if job is not None else None,
             "recent": list(e.recent),
         }
@@ -1205,6 +1216,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prefix-cache-max-bytes", type=parse_bytes, default=DEFAULT_MAX_BYTES, metavar="SIZE",
                    help="memory those caches may hold, e.g. 512MB or 4GB (default 2GB)")
     p.add_argument("--no-prefix-cache", action="store_true", help="keep no caches between requests")
+    p.add_argument("--prefix-cache-l2-dir", default=None, metavar="DIR",
+                   help="write caches pushed out of memory to files under DIR and read them back when a prompt "
+                        "matches (default: off; the files of a run are removed when it ends)")
+    p.add_argument("--prefix-cache-l2-max-bytes", type=parse_bytes, default=16 << 30, metavar="SIZE",
+                   help="disk those files may take (default 16GB)")
     p.add_argument("--chat-template-args", type=json_object, default={}, metavar="JSON",
                    help="variables for the chat template, e.g. '{\"enable_thinking\": false}' (a request's "
                         "chat_template_kwargs override them)")
@@ -1247,6 +1263,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lookup=getattr(args, "lookup", None),
         prefix_cache_max_entries=0 if args.no_prefix_cache else args.prefix_cache_max_entries,
         prefix_cache_max_bytes=args.prefix_cache_max_bytes,
+        prefix_cache_l2_dir=args.prefix_cache_l2_dir, prefix_cache_l2_max_bytes=args.prefix_cache_l2_max_bytes,
         chat_template_args=args.chat_template_args,
     )
     failed: list[BaseException] = []

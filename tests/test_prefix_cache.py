@@ -262,3 +262,37 @@ def test_random_request_sequences(targets):
                 assert e.cache.length == len(e.ids) and e.prompt_len <= len(e.ids) + 1, (name, step)
                 assert e.hidden is None or e.hidden.shape[1] == len(e.ids), (name, step)
             history.append(prompt + got)
+
+
+@torch.inference_mode()
+def test_entries_pushed_out_go_to_disk_and_come_back(targets, tmp_path):
+    """With one entry in memory and a disk store: a second conversation pushes the first to a file; the
+    first's next turn reads it back (every family, the hybrid's state included) and decodes as cold; the
+    same prompt again replays from disk; files over the disk budget are removed."""
+    from dflash_torch.prefix_cache import DiskStore
+
+    for name, target, drafter in targets:
+        disk = DiskStore(tmp_path / name, max_bytes=1 << 30)
+        prefix = PrefixCache(max_entries=1, disk=disk)
+        a = list(range(10, 30))
+        reply_a, _ = _gen(target, a, 8, drafter, prefix)
+        _gen(target, list(range(100, 112)), 8, drafter, prefix)  # conversation B: A goes to disk
+        assert [len(s.ids) for s in disk.entries] == [len(a) + 7] and len(list(disk.dir.iterdir())) == 1
+        nxt = a + reply_a + [3, 4]
+        cold, _ = _gen(target, nxt, 8, drafter)
+        warm, stats = _gen(target, nxt, 8, drafter, prefix)
+        if clear_margins(target, nxt, cold):
+            assert warm == cold, name
+        assert stats.cached_tokens == len(a) + 7 and prefix.disk_hits == 1, name
+        assert [s.ids[:2] for s in disk.entries] == [[100, 101]]  # B went out when A came back
+        # B's prompt again, from its file: the earlier reply exactly (its prefill's logits were kept)
+        again, stats = _gen(target, list(range(100, 112)), 8, drafter, prefix)
+        first, _ = _gen(target, list(range(100, 112)), 8, drafter)
+        assert stats.cached_tokens == 12 and (again == first or not clear_margins(target, list(range(100, 112)),
+                                                                                    first)), name
+    tiny = DiskStore(tmp_path / "tiny", max_bytes=1)
+    prefix = PrefixCache(max_entries=1, disk=tiny)
+    name, target, drafter = targets[0]
+    _gen(target, list(range(10, 20)), 4, drafter, prefix)
+    _gen(target, list(range(30, 40)), 4, drafter, prefix)
+    assert tiny.entries == [] and list(tiny.dir.iterdir()) == []

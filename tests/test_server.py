@@ -539,8 +539,11 @@ def test_serve_command_line(chat_model):
     assert (defaults.host, defaults.port, defaults.model, defaults.draft) == ("127.0.0.1", 8000, None, "auto")
     assert (defaults.prefix_cache_max_entries, defaults.prefix_cache_max_bytes, defaults.no_prefix_cache) == (
         4, 2 << 30, False)
-    sized = cli.build_parser().parse_args(["serve", "--prefix-cache-max-bytes", "512MB", "--no-prefix-cache"])
+    sized = cli.build_parser().parse_args(["serve", "--prefix-cache-max-bytes", "512MB", "--no-prefix-cache",
+                                           "--prefix-cache-l2-dir", "/tmp/x", "--prefix-cache-l2-max-bytes", "1GB"])
     assert sized.prefix_cache_max_bytes == 512 << 20 and sized.no_prefix_cache
+    assert (sized.prefix_cache_l2_dir, sized.prefix_cache_l2_max_bytes) == ("/tmp/x", 1 << 30)
+    assert defaults.prefix_cache_l2_dir is None
     assert parse_bytes("1.5GiB") == 3 << 29 and parse_bytes("4096") == 4096
     for bad in ("lots", "-1GB", "0"):
         with pytest.raises(argparse.ArgumentTypeError):
@@ -549,7 +552,7 @@ def test_serve_command_line(chat_model):
     assert cli.main(["serve", "--model", str(chat_model[0].parent / "missing"), "--port", "0"]) == 2
 
 
-def test_conversation_turns_start_from_the_prefix_cache(pipe):
+def test_conversation_turns_start_from_the_prefix_cache(pipe, tmp_path):
     """The second and third turns of a chat reuse the earlier turns' caches (usage reports the cached
     prompt tokens, OpenAI's prompt_tokens_details) and answer what a server without the cache answers."""
     turns = ["Write a haiku about rain", "Now one about snow", "And one about wind"]
@@ -570,6 +573,18 @@ def test_conversation_turns_start_from_the_prefix_cache(pipe):
                            json={"messages": MSGS[:1] + [{"role": "user", "content": turns[0]}], "max_tokens": 24})
         assert again.json()["choices"][0]["message"]["content"] == warm[0][0]  # the same prompt: replayed
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    with serve(pipe, prefix_cache_max_entries=1, prefix_cache_l2_dir=str(tmp_path)) as base:
+        # one entry in memory: a second conversation in between pushes the first to a file, and back
+        c = client(base)
+        first = chat(base)
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Other"}], max_tokens=8)
+        msgs = [MSGS[0]] + [m for t, (text, _) in zip(turns, first) for m in (
+            {"role": "user", "content": t}, {"role": "assistant", "content": text})]
+        r = c.chat.completions.create(model="tiny", messages=msgs + [{"role": "user", "content": "More"}],
+                                      max_tokens=8)
+        assert r.usage.prompt_tokens_details.cached_tokens > 0
+        assert metrics_json(base)["prefix_cache"]["disk"]["hits"] == 1
+        assert [t for t, _ in first] == [t for t, _ in warm]
     with serve(pipe, prefix_cache_max_entries=0) as base:
         cold = chat(base)
         assert metrics_json(base)["prefix_cache"] is None
