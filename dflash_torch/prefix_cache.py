@@ -35,7 +35,7 @@ DEFAULT_MAX_ENTRIES = 4
 DEFAULT_MAX_BYTES = 2 << 30
 
 
-@dataclass
+@dataclass(eq=False)  # entries are compared by identity
 class Entry:
     ids: list[int]  # the tokens at cache positions [0, len(ids)) (the cache's length)
     cache: object
@@ -45,6 +45,16 @@ class Entry:
     prompt_state: object = None  # hybrid caches: the conv/recurrent state after the prompt (cache.state())
     nbytes: int = 0
     handed_out: int | None = None  # single-cache targets: their new_cache count when this cache was theirs
+
+    @property
+    def has_logits(self) -> bool:
+        return self.logits is not None
+
+    def restorable(self, m: int) -> bool:
+        """Whether the cache can go back to m positions (keys/values: any m; a hybrid's state: where known)."""
+        if not hasattr(self.cache, "restore"):
+            return True
+        return (m == self.prompt_len and self.prompt_state is not None) or self.cache.can_crop(m)
 
 
 @dataclass
@@ -102,9 +112,7 @@ class PrefixCache:
         for e in self.entries:  # most recent first: it wins a tie
             if need_hidden and e.hidden is None:
                 continue
-            hybrid = hasattr(e.cache, "restore")
-            m = _usable(e.ids, e.prompt_len, e.logits is not None, prompt, lambda m, e=e, hybrid=hybrid: not hybrid or (
-                m == e.prompt_len and e.prompt_state is not None) or e.cache.can_crop(m))
+            m = _usable(e, prompt)
             if m > 0 and (best is None or m > best[0]):
                 best = (m, e)
         stored = self._best_stored(prompt, need_hidden)
@@ -171,29 +179,23 @@ class PrefixCache:
         for s in self.disk.entries if self.disk is not None else []:
             if need_hidden and not s.has_hidden:
                 continue
-            m = _usable(s.ids, s.prompt_len, s.has_logits, prompt, lambda m, s=s: not s.hybrid or m == len(s.ids) or (
-                m == s.prompt_len and s.has_prompt_state))
+            m = _usable(s, prompt)
             if m > 0 and (best is None or m > best[0]):
                 best = (m, s)
         return best
 
 
-def _usable(ids: list[int], prompt_len: int, has_logits: bool, prompt: list[int], restorable) -> int:
-    """How many of `prompt`'s first tokens a cache of `ids` (for a request whose prompt was
-    ids[:prompt_len]) can give back (0: none); `restorable(m)`: whether its state can go back to m
-    (keys/values: any m; a hybrid's conv/recurrent state: only where it is known)."""
-    m = 0
-    limit = min(len(ids), len(prompt))
-    while m < limit and ids[m] == prompt[m]:
+def _usable(x: Entry | Stored, prompt: list[int]) -> int:
+    """How many of `prompt`'s first tokens entry `x` (in memory or on disk) can give back (0: none)."""
+    m, limit = 0, min(len(x.ids), len(prompt))
+    while m < limit and x.ids[m] == prompt[m]:
         m += 1
-    if m == len(prompt) == prompt_len and has_logits:
-        m_ok = m  # the earlier request's own prompt: nothing to prefill
-    else:
-        m_ok = min(m, len(prompt) - 1)  # else the prompt's last token must run, for its logits
-    return m_ok if m_ok > 0 and restorable(m_ok) else 0
+    if not (m == len(prompt) == x.prompt_len and x.has_logits):  # (the earlier request's own prompt: no prefill)
+        m = min(m, len(prompt) - 1)  # the prompt's last token must run, for its logits
+    return m if m > 0 and x.restorable(m) else 0
 
 
-@dataclass
+@dataclass(eq=False)
 class Stored:
     """An entry written to disk by `DiskStore`: what choosing it needs, in memory; the tensors in a file."""
 
@@ -205,6 +207,10 @@ class Stored:
     has_logits: bool
     hybrid: bool
     has_prompt_state: bool
+
+    def restorable(self, m: int) -> bool:
+        """A stored hybrid state is the one at the end, and (if kept) the one after the prompt."""
+        return not self.hybrid or m == len(self.ids) or (m == self.prompt_len and self.has_prompt_state)
 
 
 class DiskStore:

@@ -6,6 +6,7 @@ the conversation so far (earlier replies included) and a new user message. Print
 length, the tokens taken from the cache, the prefill time both ways and whether the replies are equal.
 
     python docs/prefix_cache_probe.py --quantize int4
+    python docs/prefix_cache_probe.py --quantize int4 --disk   # every later turn read back from files
 
 With quantized weights the server makes prefills attend one query at a time (`quantize.exact_prefill`), so
 that reused keys and values are the ones a cold prefill computes; `--fused-prefill` shows what happens
@@ -15,12 +16,13 @@ without that.
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 import torch
 
 from dflash_torch.generate import load
-from dflash_torch.prefix_cache import PrefixCache
+from dflash_torch.prefix_cache import DiskStore, PrefixCache
 from dflash_torch.quantize import exact_prefill
 from dflash_torch.speculative import Stats, generate_tokens
 
@@ -33,12 +35,17 @@ TURNS = [
 ]
 
 
-def conversation(pipe, prefix: PrefixCache | None, max_tokens: int, replies: list[str] | None = None):
+def conversation(pipe, prefix: PrefixCache | None, max_tokens: int, replies: list[str] | None = None,
+                 between: bool = False):
     """[(prompt tokens, cached tokens, seconds to the first token, reply ids, reply text)] per turn. With
     `replies`, those are the conversation's earlier answers instead of this run's own (so that two runs
-    see the same prompts even where their replies differ)."""
+    see the same prompts even where their replies differ). `between`: another short conversation runs
+    before each turn (with a one-entry prefix cache it pushes this one out to the disk store)."""
     messages, rows = [], []
     for i, text in enumerate(TURNS):
+        if between:
+            other = pipe.encode_messages([{"role": "user", "content": f"Say the number {i}."}])
+            list(generate_tokens(pipe.target, other, max_new_tokens=4, drafter=pipe.drafter, prefix=prefix))
         messages.append({"role": "user", "content": text})
         prompt = pipe.encode_messages(messages)
         stats = Stats()
@@ -88,6 +95,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prefill-cost", metavar="N,N,...", default=None,
                    help="instead: time cold prefills of these lengths, fused and one query at a time")
+    p.add_argument("--disk", action="store_true",
+                   help="warm run with one entry in memory and a disk store, another conversation between turns")
     p.add_argument("--fused-prefill", action="store_true",
                    help="quantized: keep the fused prefill attention (what the server does not do)")
     args = p.parse_args()
@@ -99,7 +108,13 @@ def main() -> None:
         exact_prefill(pipe.target)  # as `dflash serve` does with a prefix cache: reuse is then exact
     conversation(pipe, PrefixCache(), 8)  # warm-up
     cold = conversation(pipe, None, args.max_tokens)
-    warm = conversation(pipe, PrefixCache(), args.max_tokens, replies=[row[4] for row in cold])
+    if args.disk:
+        with tempfile.TemporaryDirectory() as tmp:
+            prefix = PrefixCache(max_entries=1, disk=DiskStore(tmp, 1 << 34))
+            warm = conversation(pipe, prefix, args.max_tokens, replies=[row[4] for row in cold], between=True)
+            print(f"{prefix.disk_hits} turns read back from disk")
+    else:
+        warm = conversation(pipe, PrefixCache(), args.max_tokens, replies=[row[4] for row in cold])
     print("turn  prompt  cached  time to first token: cold    warm   same reply  first difference at token")
     for i, (c, w) in enumerate(zip(cold, warm), 1):
         diff = next((k for k, (a, b) in enumerate(zip(c[3], w[3])) if a != b), None)
