@@ -127,20 +127,27 @@ class PrefixCache:
                 self.entries.clear()
             return None
         m, e = best
+        self.hits += 1
+        self.cached_tokens += m
+        hidden = None if e.hidden is None or not need_hidden else e.hidden[:, :m]
+        # the same prompt again: its prefill's logits, so no pass runs before the first token
+        logits = e.logits if m == len(prompt) == e.prompt_len else None
+        hybrid = hasattr(e.cache, "restore")
+        if (m < e.cache.length and e in self.entries and not getattr(target, "single_cache", False)
+                and (not hybrid or (m == e.prompt_len and e.prompt_state is not None))):
+            # a shorter prefix of a longer entry (a shared system prompt, the same prompt again): copy those
+            # positions into a new cache and keep the entry for its own conversation
+            state = e.prompt_state if hybrid else None
+            return Hit(moved(target, e.cache, m, capacity_for(capacity), state), m, hidden, logits, e)
         if e in self.entries:
             self.entries.remove(e)
         if m == e.prompt_len and e.prompt_state is not None and m != e.cache.length:
             e.cache.restore(m, e.prompt_state)  # hybrid: the state saved after that prompt's prefill
         elif m != e.cache.length:
             e.cache.crop(m)
-        # the same prompt again: its prefill's logits, so no pass runs before the first token
-        logits = e.logits if m == len(prompt) == e.prompt_len else None
         cache = e.cache
         if cache.max_len < capacity:  # a longer conversation than the cache was made for: move it
             cache = moved(target, cache, m, capacity_for(capacity))
-        self.hits += 1
-        self.cached_tokens += m
-        hidden = None if e.hidden is None or not need_hidden else e.hidden[:, :m]
         return Hit(cache, m, hidden, logits, e)
 
     def keep(self, session: Session, tokens: list[int]) -> None:
@@ -307,16 +314,16 @@ def capacity_for(length: int) -> int:
     return 1 << max(8, (length - 1).bit_length())
 
 
-def moved(target, cache, length: int, capacity: int):
-    """A new cache of `capacity` positions holding the first `length` of `cache` (which is at `length`:
-    a hybrid cache's conv/recurrent state goes along as it is)."""
+def moved(target, cache, length: int, capacity: int, state=None):
+    """A new cache of `capacity` positions holding the first `length` of `cache`; a hybrid cache's
+    conv/recurrent state goes along as it is (the cache is at `length`) or is `state` (saved at `length`)."""
     new = target.new_cache(capacity)
     for src, dst in zip(_kv_list(cache), _kv_list(new)):
         dst.k[:, :, :, :length].copy_(src.k[:, :, :, :length])  # [L, B, Hkv, S, D]
         dst.v[:, :, :, :length].copy_(src.v[:, :, :, :length])
     new.length = length
     if hasattr(cache, "restore"):
-        new.restore(length, (cache.conv, cache.recurrent))
+        new.restore(length, state or (cache.conv, cache.recurrent))
     return new
 
 

@@ -162,10 +162,14 @@ def test_entries_bytes_and_failures(targets):
     def broken(*a, **k):
         raise RuntimeError("boom")
 
+    held = list(prefix.entries[0].ids)
     target.forward = broken
     try:
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError):  # a shorter prefix: copied out, the entry itself untouched
             _gen(target, list(range(10, 18)) + [1, 2], 4, drafter, prefix)
+        assert [e.ids for e in prefix.entries] == [held]
+        with pytest.raises(RuntimeError):  # the whole entry, taken: not given back
+            _gen(target, held + [1, 2], 4, drafter, prefix)
     finally:
         target.forward = real
     assert prefix.entries == []
@@ -296,3 +300,26 @@ def test_entries_pushed_out_go_to_disk_and_come_back(targets, tmp_path):
     _gen(target, list(range(10, 20)), 4, drafter, prefix)
     _gen(target, list(range(30, 40)), 4, drafter, prefix)
     assert tiny.entries == [] and list(tiny.dir.iterdir()) == []
+
+
+@torch.inference_mode()
+def test_a_shared_beginning_does_not_cost_the_conversation_its_cache(targets):
+    """A new conversation that shares only the beginning of a kept one (a system prompt) gets those
+    positions copied into a cache of its own; the kept conversation's next turn still finds all of it."""
+    for name, target, drafter in targets:
+        prefix = PrefixCache(max_entries=4)
+        system = list(range(50, 60))
+        a = system + [1, 2, 3]
+        reply, _ = _gen(target, a, 6, drafter, prefix)
+        b = system + [7, 8]
+        cold_b, _ = _gen(target, b, 6, drafter)
+        warm_b, stats = _gen(target, b, 6, drafter, prefix)
+        if clear_margins(target, b, cold_b):
+            assert warm_b == cold_b, name
+        assert stats.cached_tokens == (0 if name == "qwen3_5" else len(system)), name  # hybrid: no state there
+        nxt = a + reply + [4]
+        cold, _ = _gen(target, nxt, 6, drafter)
+        warm, stats = _gen(target, nxt, 6, drafter, prefix)
+        if clear_margins(target, nxt, cold):
+            assert warm == cold, name
+        assert stats.cached_tokens == len(a) + len(reply) - 1, name
