@@ -103,8 +103,10 @@ class PrefixCache:
         self.entries.clear()
 
     def take(self, target, prompt: list[int], capacity: int, need_hidden: bool) -> Hit | None:
-        """The entry that covers the most of `prompt`, restored to that many tokens and removed from the
-        cache (the generation owns it now), or None (and the caller makes a new cache)."""
+        """A cache holding the first tokens of `prompt`, from the entry (in memory or on disk) that covers
+        the most of it: the entry's own cache, taken out (the generation owns it now), or a copy of those
+        positions when they are only the beginning of the entry (which stays); None: no entry helps (the
+        caller makes a new cache)."""
         best: tuple[int, Entry] | None = None
         # a target that owns one cache (cudagraph.GraphedTarget) rewinds it on every new_cache: an entry
         # whose cache was handed out again since is gone
