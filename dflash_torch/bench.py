@@ -243,7 +243,7 @@ def run_ours(pipe, ids: list[int], max_tokens: int, use_draft: bool, args) -> tu
     lookup = use_draft and (pipe.drafter is not None if lookup is None else lookup)
     out = list(stream(pipe, ids, max_tokens, block_size=args.block_size, use_draft=use_draft, sampler=sampler,
                       stop_token_ids=[] if args.ignore_eos else None, stats=stats, controller=controller,
-                      lookup=lookup))
+                      lookup=lookup, prefill_chunk=getattr(args, "prefill_step_size", None)))
     return Timing(stats.generated_tokens, stats.prefill_s, stats.decode_s), stats, out
 
 
@@ -592,7 +592,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "suites": list(encoded), "max_tokens": lengths, "repeats": args.repeats, "ignore_eos": args.ignore_eos,
             "block_size": args.block_size, "limit": args.limit, "peers": peers, "peers_skipped": peer_skips,
             "lookup": engines[-1] == "dflash" and (pipe.drafter is not None if args.lookup is None else args.lookup),
-            "fallback": args.fallback, "adaptive": args.adaptive,
+            "fallback": args.fallback, "adaptive": args.adaptive, "prefill_step_size": args.prefill_step_size,
             "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                          "min_p": args.min_p, "seed": args.seed},
             "peer_sampling": "greedy",

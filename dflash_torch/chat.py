@@ -95,7 +95,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         stats, detok, reply = Stats(), Detokenizer(pipe), []
         gen = generate_tokens(pipe.target, ids, max_new_tokens=max_tokens, drafter=pipe.drafter if use_draft else None,
                               block_size=args.block_size, stop_token_ids=pipe.stop_token_ids, sampler=sampler,
-                              stats=stats, controller=controller, lookup=lookup, prefix=prefix)
+                              stats=stats, controller=controller, lookup=lookup, prefix=prefix,
+                              prefill_chunk=args.prefill_step_size)
         try:
             for token in gen:
                 if token in pipe.stop_token_ids:

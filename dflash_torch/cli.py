@@ -28,6 +28,9 @@ def _common_model_args(p: argparse.ArgumentParser, draft: bool = True, decoding:
         p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
                        help="prompt-lookup drafts beside the drafter: copy what followed an earlier occurrence "
                             "of the last tokens (default: on whenever the drafter is used)")
+        p.add_argument("--prefill-step-size", type=int, default=None, metavar="N",
+                       help="run a prompt in passes of at most N tokens: a long prompt's prefill then needs less "
+                            "memory at once (default: one pass)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -92,7 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = []
     for tok in stream(pipe, prompt, args.max_tokens, block_size=args.block_size,
                       use_draft=not args.no_draft, sampler=sampler, stats=stats, controller=controller,
-                      lookup=args.lookup):
+                      lookup=args.lookup, prefill_chunk=args.prefill_step_size):
         ids.append(tok)
         if not args.json and pipe.tokenizer is not None:
             sys.stdout.write(detok.add(tok))

@@ -157,6 +157,7 @@ def stream(
     stats: Stats | None = None,
     controller=None,
     lookup: bool | None = None,
+    prefill_chunk: int | None = None,
 ) -> Iterator[int]:
     """Yield completion token ids as they are committed (see `generate` for the arguments;
     `controller` picks the block size per cycle, see `speculative.generate_tokens`; `lookup`:
@@ -169,6 +170,7 @@ def stream(
         pipe.target, prompt_ids, max_new_tokens=max_tokens,
         drafter=pipe.drafter if use_draft else None, block_size=block_size,
         stop_token_ids=stops, sampler=sampler, stats=stats, controller=controller, lookup=lookup,
+        prefill_chunk=prefill_chunk,
     )
 
 

@@ -75,6 +75,7 @@ class ServerConfig:
     prefix_cache_l2_dir: str | None = None  # entries pushed out of memory go to files here (None: dropped)
     prefix_cache_l2_max_bytes: int = 16 << 30
     chat_template_args: dict = field(default_factory=dict)  # chat template variables (a request's own win)
+    prefill_step_size: int | None = None  # prompts run in passes of at most this many tokens (None: one)
     max_body_bytes: int = MAX_BODY_BYTES
     recent: int = 32  # finished requests kept for /metrics?format=json
 
@@ -639,7 +640,7 @@ class Engine:
             lookup=not job.fastpath and (use_draft if self.config.lookup is None else self.config.lookup),
             # timings carried over would steer a seeded sampled request's widths: it measures its own
             lookup_costs=self.lookup_costs if job.sampler.greedy or job.sampler.seed is None else None,
-            prefix=self.prefix,
+            prefix=self.prefix, prefill_chunk=self.config.prefill_step_size,
         )
         try:
             for token in gen:
@@ -1248,6 +1249,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-queue, --max-tokens and --block-size must be >= 1")
     if args.prefix_cache_max_entries < 0:
         raise ValueError("--prefix-cache-max-entries must be >= 0")
+    if args.prefill_step_size is not None and args.prefill_step_size < 1:
+        raise ValueError("--prefill-step-size must be >= 1")
     if not log.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
@@ -1264,7 +1267,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefix_cache_max_entries=0 if args.no_prefix_cache else args.prefix_cache_max_entries,
         prefix_cache_max_bytes=args.prefix_cache_max_bytes,
         prefix_cache_l2_dir=args.prefix_cache_l2_dir, prefix_cache_l2_max_bytes=args.prefix_cache_l2_max_bytes,
-        chat_template_args=args.chat_template_args,
+        chat_template_args=args.chat_template_args, prefill_step_size=args.prefill_step_size,
     )
     failed: list[BaseException] = []
 

@@ -120,6 +120,7 @@ def generate_tokens(
     lookup: bool = False,
     lookup_costs: dict[int, float] | None = None,
     prefix: PrefixCache | None = None,
+    prefill_chunk: int | None = None,
 ) -> Iterator[int]:
     """Yield the target's tokens one by one as they are decided; stop after a stop token or
     `max_new_tokens`. With a drafter, decide them by speculative decoding; `stats` is filled in.
@@ -132,11 +133,12 @@ def generate_tokens(
     server does not measure them again for every request. `prefix`: start from the cache of an earlier
     generation that shares the prompt's beginning, and leave this one's there when done
     (`prefix_cache.py`; reused keys/values came from passes of other widths, which in float32 round
-    differently, as verify and decode passes do). Output depends on none of these.
+    differently, as verify and decode passes do). `prefill_chunk`: run the prompt in passes of at most
+    this many tokens (bounds the prefill's peak memory on long prompts). Output depends on none of these.
     """
     args = dict(max_new_tokens=max_new_tokens, drafter=drafter, block_size=block_size,
                 stop_token_ids=stop_token_ids, sampler=sampler, stats=stats, controller=controller,
-                lookup=lookup, lookup_costs=lookup_costs)
+                lookup=lookup, lookup_costs=lookup_costs, prefill_chunk=prefill_chunk)
     if prefix is None:
         yield from _generate(target, prompt, session=None, **args)
         return
@@ -156,13 +158,16 @@ def generate_tokens(
 @torch.inference_mode()
 def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_size: int | None,
               stop_token_ids, sampler: Sampler | None, stats: Stats | None, controller, lookup: bool,
-              lookup_costs: dict[int, float] | None, session: Session | None) -> Iterator[int]:
+              lookup_costs: dict[int, float] | None, session: Session | None,
+              prefill_chunk: int | None) -> Iterator[int]:
     stats = stats if stats is not None else Stats()
     sampler = sampler or Sampler()
     device = target.embed_tokens.weight.device
     stops = set(stop_token_ids)
     if block_size is not None and block_size < 1:
         raise ValueError("block_size must be >= 1")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError("the prefill step size must be >= 1")
     # lookup drafts fill at most the block size too (given, else the drafter's, else 16)
     lookup_width = (block_size or (drafter.block_size if drafter is not None else 16)) - 1
     if drafter is None:
@@ -180,7 +185,8 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
     taps = drafter.target_layer_ids if speculative else ()
 
     t0 = time.perf_counter()
-    cache, logits, hidden = _prefill(target, prompt, n + max_new_tokens + block_size, taps, session, device)
+    cache, logits, hidden = _prefill(target, prompt, n + max_new_tokens + block_size, taps, session, device,
+                                     prefill_chunk)
     stats.cached_tokens = session.hit.length if session is not None and session.hit else 0
     token = sampler.sample(logits)[0].item()  # the first token comes from the prefill
     _sync(device)
@@ -289,14 +295,12 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
             return
 
 
-def _prefill(target, prompt: list[int], capacity: int, taps, session: Session | None, device):
+def _prefill(target, prompt: list[int], capacity: int, taps, session: Session | None, device, chunk: int | None):
     """Run the prompt (or the part of it a prefix cache does not hold) -> the cache, the logits [1, V]
     at the prompt's last position, and the tap features [1, n, F] of the prompt (None without taps)."""
-    ids = lambda part: torch.tensor([part], device=device)  # noqa: E731
     if session is None:
         cache = target.new_cache(capacity)
-        out = target(ids(prompt), cache, logits="last", taps=taps)
-        return cache, out.logits[0], out.hidden
+        return (cache, *_run_prompt(target, prompt, cache, taps, chunk, device))
     hit = session.hit = session.prefix.take(target, prompt, capacity, need_hidden=bool(taps))
     if hit is None:
         cache, done, hidden, logits = target.new_cache(capacity_for(capacity)), 0, None, None
@@ -304,15 +308,28 @@ def _prefill(target, prompt: list[int], capacity: int, taps, session: Session | 
         cache, done, hidden, logits = hit.cache, hit.length, hit.hidden, hit.logits
     session.cache, session.handed_out = cache, getattr(target, "handed_out", None)
     if logits is None:  # run what the cache does not hold
-        out = target(ids(prompt[done:]), cache, logits="last", taps=taps)
-        logits = out.logits[0]
-        hidden = out.hidden if hidden is None else torch.cat([hidden, out.hidden], dim=1)
+        logits, new = _run_prompt(target, prompt[done:], cache, taps, chunk, device)
+        hidden = new if hidden is None else torch.cat([hidden, new], dim=1)
         session.prompt_state = cache.state() if hasattr(cache, "state") else None
     else:  # the same prompt as the entry's: its prefill is still in the cache
         session.prompt_state = hit.entry.prompt_state
     session.logits = logits
     session.hidden = [hidden] if taps else []
     return cache, logits, hidden
+
+
+def _run_prompt(target, tokens: list[int], cache, taps, chunk: int | None, device):
+    """`tokens` through the target in passes of at most `chunk` (None: one pass) -> the logits [1, V] at
+    the last one, and the tap features [1, T, F] (None without taps)."""
+    step = chunk or len(tokens)
+    features = []
+    for i in range(0, len(tokens), step):
+        last = i + step >= len(tokens)
+        out = target(torch.tensor([tokens[i : i + step]], device=device), cache, logits="last" if last else None,
+                     taps=taps)
+        features.append(out.hidden)
+    hidden = None if not taps else features[0] if len(features) == 1 else torch.cat(features, dim=1)
+    return out.logits[0], hidden
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

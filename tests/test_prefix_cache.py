@@ -323,3 +323,34 @@ def test_a_shared_beginning_does_not_cost_the_conversation_its_cache(targets):
         if clear_margins(target, nxt, cold):
             assert warm == cold, name
         assert stats.cached_tokens == len(a) + len(reply) - 1, name
+
+
+@torch.inference_mode()
+def test_chunked_prefill(targets, tiny_models):
+    """A prompt run in passes of a few tokens (--prefill-step-size) gives the one-pass prefill's logits and
+    cache (float32: to rounding; quantized with exact prefill: bit for bit) and the same generations."""
+    from dflash_torch.speculative import _run_prompt
+
+    rng = random.Random(3)
+    for name, target, drafter in targets:
+        prompt = [rng.randrange(target.config.vocab_size - 1) for _ in range(37)]
+        one, many = target.new_cache(64), target.new_cache(64)
+        taps = drafter.target_layer_ids
+        l1, h1 = _run_prompt(target, prompt, one, taps, None, CPU)
+        l2, h2 = _run_prompt(target, prompt, many, taps, 5, CPU)
+        assert one.length == many.length == 37 and h2.shape == h1.shape
+        torch.testing.assert_close(l2, l1, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(h2, h1, atol=1e-4, rtol=1e-4)
+        want, _ = _gen(target, prompt, 12, drafter)
+        got = list(generate_tokens(target, prompt, max_new_tokens=12, drafter=drafter, prefill_chunk=7))
+        if clear_margins(target, prompt, want):
+            assert got == want, name
+    target = quantize_int4(loading.load_target(tiny_models["llama"], CPU, torch.float32))
+    exact_prefill(target)
+    prompt = [rng.randrange(255) for _ in range(50)]
+    one, many = target.new_cache(64), target.new_cache(64)
+    assert torch.equal(_run_prompt(target, prompt, one, (), None, CPU)[0],
+                       _run_prompt(target, prompt, many, (), 8, CPU)[0])
+    assert torch.equal(one.k[:, :, :, :50], many.k[:, :, :, :50])
+    with pytest.raises(ValueError, match="step size"):
+        list(generate_tokens(target, prompt, max_new_tokens=2, prefill_chunk=0))

@@ -543,7 +543,8 @@ def test_serve_command_line(chat_model):
                                            "--prefix-cache-l2-dir", "/tmp/x", "--prefix-cache-l2-max-bytes", "1GB"])
     assert sized.prefix_cache_max_bytes == 512 << 20 and sized.no_prefix_cache
     assert (sized.prefix_cache_l2_dir, sized.prefix_cache_l2_max_bytes) == ("/tmp/x", 1 << 30)
-    assert defaults.prefix_cache_l2_dir is None
+    assert defaults.prefix_cache_l2_dir is None and defaults.prefill_step_size is None
+    assert cli.build_parser().parse_args(["serve", "--prefill-step-size", "512"]).prefill_step_size == 512
     assert parse_bytes("1.5GiB") == 3 << 29 and parse_bytes("4096") == 4096
     for bad in ("lots", "-1GB", "0"):
         with pytest.raises(argparse.ArgumentTypeError):
