@@ -300,6 +300,11 @@ class DiskStore:
             s.path.unlink(missing_ok=True)
         self.entries.clear()
 
+    def close(self) -> None:
+        """Forget everything and remove this store's directory."""
+        self.entries.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
 
 def _kv_list(cache) -> list:
     """The `KVCache`s of a target cache, in a fixed order."""

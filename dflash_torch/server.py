@@ -912,6 +912,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         engine.stop()
         # Let the worker leave torch before the interpreter goes (a daemon thread killed mid-op aborts).
         await asyncio.to_thread(engine.thread.join, 10)
+        if engine.prefix is not None and engine.prefix.disk is not None and not engine.thread.is_alive():
+            engine.prefix.disk.close()  # here: a signal that stops the server may end the process before atexit
 
     # No generated docs: the handlers take raw requests (errors must be OpenAI-shaped), so they would be empty.
     app = FastAPI(title="dflash-torch", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -586,6 +586,7 @@ def test_conversation_turns_start_from_the_prefix_cache(pipe, tmp_path):
         assert r.usage.prompt_tokens_details.cached_tokens > 0
         assert metrics_json(base)["prefix_cache"]["disk"]["hits"] == 1
         assert [t for t, _ in first] == [t for t, _ in warm]
+    assert list(tmp_path.iterdir()) == []  # the run's files went with it
     with serve(pipe, prefix_cache_max_entries=0) as base:
         cold = chat(base)
         assert metrics_json(base)["prefix_cache"] is None
