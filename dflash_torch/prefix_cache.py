@@ -121,8 +121,11 @@ class PrefixCache:
         if stored is not None and stored[0] > (best[0] if best else 0):  # read it back into a new cache
             if getattr(target, "single_cache", False):  # the new cache is the one cache entries hold
                 self.entries.clear()
-            best = (stored[0], self.disk.load(stored[1], target, capacity))
-            self.disk_hits += 1
+            try:
+                best = (stored[0], self.disk.load(stored[1], target, capacity))
+                self.disk_hits += 1
+            except Exception:  # a file gone or unreadable: as if it had never been stored (it is forgotten)
+                pass
         if best is None:
             self.misses += 1
             if getattr(target, "single_cache", False):  # its new_cache rewinds the one cache entries hold
@@ -275,8 +278,10 @@ class DiskStore:
 
         self.entries.remove(s)
         device = target.embed_tokens.weight.device
-        t = load_file(str(s.path), device=str(device))
-        s.path.unlink(missing_ok=True)
+        try:
+            t = load_file(str(s.path), device=str(device))
+        finally:
+            s.path.unlink(missing_ok=True)
         n = len(s.ids)
         cache = target.new_cache(capacity_for(max(capacity, n + 1)))
         for i, kv in enumerate(_kv_list(cache)):

@@ -294,6 +294,18 @@ def test_entries_pushed_out_go_to_disk_and_come_back(targets, tmp_path):
         first, _ = _gen(target, list(range(100, 112)), 8, drafter)
         assert stats.cached_tokens == 12 and (again == first or not clear_margins(target, list(range(100, 112)),
                                                                                     first)), name
+    # a file that cannot be read back: the request runs cold, and the entry is forgotten
+    name, target, drafter = targets[0]
+    disk = DiskStore(tmp_path / "broken", max_bytes=1 << 30)
+    prefix = PrefixCache(max_entries=1, disk=disk)
+    a = list(range(10, 30))
+    _gen(target, a, 4, drafter, prefix)
+    _gen(target, list(range(100, 112)), 4, drafter, prefix)
+    disk.entries[0].path.write_bytes(b"not a safetensors file")
+    cold, _ = _gen(target, a + [5], 4, drafter)
+    warm, stats = _gen(target, a + [5], 4, drafter, prefix)
+    assert warm == cold and stats.cached_tokens == 0 and prefix.disk_hits == 0
+    assert all(s.ids[0] != 10 for s in disk.entries)  # the broken one is forgotten
     tiny = DiskStore(tmp_path / "tiny", max_bytes=1)
     prefix = PrefixCache(max_entries=1, disk=tiny)
     name, target, drafter = targets[0]
