@@ -108,6 +108,7 @@ class PrefixCache:
         positions when they are only the beginning of the entry (which stays); None: no entry helps (the
         caller makes a new cache)."""
         best: tuple[int, Entry] | None = None
+        single = getattr(target, "single_cache", False)  # new_cache rewinds the one cache entries hold
         # a target that owns one cache (cudagraph.GraphedTarget) rewinds it on every new_cache: an entry
         # whose cache was handed out again since is gone
         self.entries = [e for e in self.entries if e.handed_out == getattr(target, "handed_out", None)]
@@ -119,7 +120,7 @@ class PrefixCache:
                 best = (m, e)
         stored = self._best_stored(prompt, need_hidden)
         if stored is not None and stored[0] > (best[0] if best else 0):  # read it back into a new cache
-            if getattr(target, "single_cache", False):  # the new cache is the one cache entries hold
+            if single:
                 self.entries.clear()
             try:
                 best = (stored[0], self.disk.load(stored[1], target, capacity))
@@ -128,7 +129,7 @@ class PrefixCache:
                 pass
         if best is None:
             self.misses += 1
-            if getattr(target, "single_cache", False):  # its new_cache rewinds the one cache entries hold
+            if single:
                 self.entries.clear()
             return None
         m, e = best
@@ -138,7 +139,7 @@ class PrefixCache:
         # the same prompt again: its prefill's logits, so no pass runs before the first token
         logits = e.logits if m == len(prompt) == e.prompt_len else None
         hybrid = hasattr(e.cache, "restore")
-        if (m < e.cache.length and e in self.entries and not getattr(target, "single_cache", False)
+        if (m < e.cache.length and e in self.entries and not single
                 and (not hybrid or (m == e.prompt_len and e.prompt_state is not None))):
             # a shorter prefix of a longer entry (a shared system prompt, the same prompt again): copy those
             # positions into a new cache and keep the entry for its own conversation
@@ -341,8 +342,5 @@ def moved(target, cache, length: int, capacity: int, state=None):
 
 def cache_bytes(cache) -> int:
     """Bytes of a target cache's tensors (keys/values, and conv/recurrent state where there is one)."""
-    if hasattr(cache, "groups"):  # Gemma 4: one KVCache per shape
-        return sum(cache_bytes(c) for c in cache.groups.values())
-    if hasattr(cache, "kv"):  # Qwen3.5: keys/values of the attention layers + per-layer states
-        return cache_bytes(cache.kv) + sum(t.nbytes for t in [*cache.conv, *cache.recurrent])
-    return cache.k.nbytes + cache.v.nbytes
+    states = [*cache.conv, *cache.recurrent] if hasattr(cache, "kv") else []  # Qwen3.5's per-layer states
+    return sum(kv.k.nbytes + kv.v.nbytes for kv in _kv_list(cache)) + sum(t.nbytes for t in states)
