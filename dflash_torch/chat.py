@@ -34,8 +34,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .sampling import Sampler
     from .speculative import Stats, generate_tokens
 
-    if args.max_tokens < 1:
-        raise ValueError("--max-tokens must be >= 1")
+    if args.max_tokens < 1 or (args.prefill_step_size is not None and args.prefill_step_size < 1):
+        raise ValueError("--max-tokens and --prefill-step-size must be >= 1")
     sampler = Sampler(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
     pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
                 cuda_graphs=args.cuda_graphs)

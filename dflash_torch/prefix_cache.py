@@ -234,8 +234,11 @@ class DiskStore:
     def __init__(self, directory: str | Path, max_bytes: int) -> None:
         if max_bytes < 1:
             raise ValueError("a disk store needs max_bytes >= 1")
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix="dflash-prefix-", dir=directory))
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            self.dir = Path(tempfile.mkdtemp(prefix="dflash-prefix-", dir=directory))
+        except OSError as e:
+            raise ValueError(f"cannot keep prefix-cache files in {directory}: {e}") from None
         atexit.register(shutil.rmtree, self.dir, True)
         self.max_bytes = max_bytes
         self.entries: list[Stored] = []

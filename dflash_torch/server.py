@@ -303,6 +303,10 @@ def responses_to_chat(body: dict) -> dict:
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             content = item.get("content")
+            if item.get("role") not in ("user", "assistant", "system", "developer"):
+                raise bad(f"{where}.role must be user, assistant, system or developer", f"{where}.role")
+            if not isinstance(content, (str, list)):
+                raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content")
             if isinstance(content, list):
                 parts = []
                 for j, part in enumerate(content):

@@ -47,3 +47,5 @@ def test_chat_refuses_what_it_cannot_do(chat_model, zlab, monkeypatch, capsys):
     assert "fills the model's context" in capsys.readouterr().err  # too long: said, and the chat goes on
     assert cli.main(["chat", "--model", str(zlab / "target"), "--no-draft", "--device", "cpu"]) == 2
     assert "no tokenizer" in capsys.readouterr().err
+    assert cli.main(["chat", "--model", str(target), "--prefill-step-size", "0"]) == 2
+    assert "--prefill-step-size must be >= 1" in capsys.readouterr().err

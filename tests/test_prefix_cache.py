@@ -306,6 +306,9 @@ def test_entries_pushed_out_go_to_disk_and_come_back(targets, tmp_path):
     warm, stats = _gen(target, a + [5], 4, drafter, prefix)
     assert warm == cold and stats.cached_tokens == 0 and prefix.disk_hits == 0
     assert all(s.ids[0] != 10 for s in disk.entries)  # the broken one is forgotten
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="cannot keep prefix-cache files"):  # a message, not an OSError
+        DiskStore(tmp_path / "a-file" / "l2", max_bytes=1 << 20)
     tiny = DiskStore(tmp_path / "tiny", max_bytes=1)
     prefix = PrefixCache(max_entries=1, disk=tiny)
     name, target, drafter = targets[0]

@@ -784,7 +784,9 @@ def test_responses_api(server, pipe, monkeypatch):
                         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content"),
                         ({"tools": [{"type": "web_search"}]}, "tools[0]"), ({"input": []}, "input"),
                         ({"text": {"format": {"type": "json_schema"}}}, "text"),
-                        ({"input": [{"type": "reasoning"}]}, "input[0].type")]:
+                        ({"input": [{"type": "reasoning"}]}, "input[0].type"),
+                        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+                        ({"input": [{"role": "user", "content": 3}]}, "input[0].content")]:
         r = post(**body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, body
 
