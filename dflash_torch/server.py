@@ -953,6 +953,12 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
+    async def request_body(request: Request) -> dict:
+        """What every generation endpoint checks first (key, model ready), then its JSON body."""
+        authorize(request)
+        engine.ready()
+        return await read_json(request, config.max_body_bytes)
+
     @app.get("/health")
     async def health():
         if engine.pipe is None:
@@ -982,9 +988,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        authorize(request)
-        engine.ready()
-        return await chat_answer(request, await read_json(request, config.max_body_bytes))
+        return await chat_answer(request, await request_body(request))
 
     async def chat_answer(request: Request, body: dict, streamer=None):
         """A chat completions body -> its answer (a stream, or the chat.completion object). `streamer(job,
@@ -999,9 +1003,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        authorize(request)
-        engine.ready()
-        body = await read_json(request, config.max_body_bytes)
+        body = await request_body(request)
         chat = responses_to_chat(body)
         if chat["stream"]:
             return await chat_answer(request, chat, streamer=lambda job, req: response_events(job, body))
@@ -1075,9 +1077,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        authorize(request)
-        engine.ready()
-        body = await read_json(request, config.max_body_bytes)
+        body = await request_body(request)
         req = parse_common(body)
         for name in ("tools", "tool_choice", "chat_template_kwargs", "messages"):  # chat fields: not here
             if body.get(name) is not None:
