@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
@@ -155,6 +156,8 @@ class Model(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.fast_decode = True  # one-token passes through `_decode` (same bits; False: the module path)
+        self._plan = None
         self.post_load()
 
     def post_load(self) -> None:
@@ -198,6 +201,8 @@ class Model(nn.Module):
         start, t = cache.length, input_ids.shape[1]
         window = self.config.sliding_window
         static = positions is not None
+        if t == 1 and self.fast_decode and not static and input_ids.shape[0] == 1 and (not window or start < window):
+            return self._decode(input_ids, cache, logits, taps)
         if static:
             k_pos = torch.arange(cache.max_len, device=input_ids.device)
             mask = attention_mask(positions, k_pos, causal=True, window=window)  # [T, S]
@@ -225,6 +230,90 @@ class Model(nn.Module):
         elif logits == "all":
             out = self.lm_head(self.model.norm(x))
         return Output(out, hidden)
+
+    def _apply(self, fn, recurse=True):
+        self._plan = None  # .to() / .half() may replace tensors the decode plan holds
+        return super()._apply(fn, recurse)
+
+    def _decode_plan(self) -> list[tuple]:
+        # Per layer, the functions and tensors `_decode` needs, looked up once: nn.Module attribute
+        # lookups and calls cost about a microsecond each, and a decode step makes hundreds of them.
+        # quantize.py drops the plan when it replaces layers (`forget_plans`).
+        plan = []
+        for layer in self.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            fused_qkv, fused_mlp = a.qkv_proj is not None, mlp.gate_up_proj is not None
+            qkv = (_plain(a.qkv_proj),) if fused_qkv else (_plain(a.q_proj), _plain(a.k_proj), _plain(a.v_proj))
+            qk_norms = (_plain(a.q_norm), _plain(a.k_norm)) if a.qk_norm else None
+            mlp_in = (_plain(mlp.gate_up_proj),) if fused_mlp else (_plain(mlp.gate_proj), _plain(mlp.up_proj))
+            plan.append((_plain(layer.input_layernorm), qkv, qk_norms, a.scale, _plain(a.o_proj),
+                         _plain(layer.post_attention_layernorm), mlp_in, mlp.act, _plain(mlp.down_proj)))
+        return plan
+
+    def _decode(self, input_ids: torch.Tensor, cache: KVCache, logits: str | None, taps) -> Output:
+        # One token of one sequence through exactly the kernels of the layer modules above, with their
+        # calls, 4-D views, checks and attribute lookups flattened out: a decode step is a few hundred
+        # small operators around the matmuls, so what surrounds them is a large share of its time
+        # (docs/performance.md, "A flat decode step"). Same bits as the module path (`fast_decode =
+        # False`; tests/test_fast.py).
+        if self._plan is None:
+            self._plan = self._decode_plan()
+        c = self.config
+        h, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        nqk = (h + hkv) * d
+        pos = cache.length
+        end = pos + 1
+        if end > cache.max_len:
+            raise ValueError(f"KV cache overflow: position {end} > capacity {cache.max_len}")
+        cos, sin = self.rotary(torch.arange(pos, end, device=input_ids.device), self.model.embed_tokens.weight.dtype)
+        x = self.model.embed_tokens(input_ids[0])  # [1, H]
+        tapped = {}
+        for i, (norm1, qkv_fns, qk_norms, scale, o_proj, norm2, mlp_in, act, down) in enumerate(self._plan):
+            y = norm1(x)
+            if len(qkv_fns) == 1 and qk_norms is None:  # q and k heads rotated in one pass, as forward does
+                qkv = qkv_fns[0](y)  # [1, (H + 2 Hkv) * D]
+                qk = apply_rotary(qkv[:, :nqk].view(h + hkv, d), cos, sin)  # [H + Hkv, D]
+                q, k, v = qk[:h], qk[h:], qkv[:, nqk:].view(hkv, d)
+            else:
+                if len(qkv_fns) == 1:
+                    q, k, v = qkv_fns[0](y).split([h * d, hkv * d, hkv * d], -1)
+                else:
+                    q, k, v = qkv_fns[0](y), qkv_fns[1](y), qkv_fns[2](y)
+                q, k, v = q.view(h, d), k.view(hkv, d), v.view(hkv, d)
+                if qk_norms is not None:
+                    q, k = qk_norms[0](q), qk_norms[1](k)
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            keys, values = cache.k_layers[i], cache.v_layers[i]  # [1, Hkv, S, D]
+            keys[0, :, pos].copy_(k)
+            values[0, :, pos].copy_(v)
+            o = F.scaled_dot_product_attention(q.view(1, h, 1, d), keys[:, :, :end], values[:, :, :end],
+                                               scale=scale, enable_gqa=hkv != h)  # [1, H, 1, D]
+            x = x + o_proj(o.view(1, h * d))
+            y = norm2(x)
+            if len(mlp_in) == 1:
+                gate, up = mlp_in[0](y).chunk(2, dim=-1)
+            else:
+                gate, up = mlp_in[0](y), mlp_in[1](y)
+            x = x + down(act(gate) * up)
+            if i in taps:
+                tapped[i] = x
+        cache.length = end
+        hidden = torch.cat([tapped[i] for i in taps], dim=-1)[None] if taps else None  # [1, 1, n * H]
+        out = self.lm_head(self.model.norm(x))[None] if logits else None  # [1, 1, V]
+        return Output(out, hidden)
+
+
+def _plain(m: nn.Module):
+    """m's forward as a plain function of a 2-D input, computing exactly what calling m does."""
+    if type(m) is nn.Linear:
+        w, b = m.weight, m.bias
+        return lambda x: F.linear(x, w, b)
+    if isinstance(m, RMSNorm):
+        w, shape, eps, ref = m.weight, m.weight.shape, m.eps, m.reference
+        if w.dtype == torch.float32:  # RMSNorm.forward's fast path, else its reference
+            return lambda x: F.rms_norm(x, shape, w, eps) if x.dtype == torch.float32 else ref(x)
+        return ref
+    return m.plain() if hasattr(m, "plain") else m.forward
 
 
 def from_config(config: dict) -> Model:

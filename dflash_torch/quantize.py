@@ -87,6 +87,15 @@ class Int4Linear(nn.Module):
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight_int4, self.group_size, self.scales_and_zeros)
 
+    def plain(self):
+        """forward for 2-D inputs as a plain function: no module call, reshapes or attribute lookups
+        (a decode step makes a hundred of these calls; llama.Model._decode). Same kernel, same bits."""
+        mm, w, g, sz, bias = torch.ops.aten._weight_int4pack_mm_for_cpu, self.weight_int4, self.group_size, \
+            self.scales_and_zeros, self.bias
+        if bias is None:
+            return lambda x: mm(x.to(torch.bfloat16), w, g, sz).to(x.dtype)
+        return lambda x: mm(x.to(torch.bfloat16), w, g, sz).to(x.dtype) + bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         # The kernel with float32 activations measured ~30x slower than with bfloat16: always bf16.
@@ -115,6 +124,15 @@ def _replace_linears(model: nn.Module, make) -> nn.Module:
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and (new := make(child)) is not None:
                 setattr(module, child_name, new)
+    return forget_plans(model)
+
+
+def forget_plans(model: nn.Module) -> nn.Module:
+    """Drop what a model looked up from its layers ahead of time (llama.Model's decode plan) after
+    layers were replaced; it is rebuilt from the new layers on the next pass."""
+    for m in model.modules():
+        if hasattr(m, "_plan"):
+            m._plan = None
     return model
 
 
@@ -152,7 +170,7 @@ def fuse_projections(model: nn.Module, fits=lambda linear: True) -> nn.Module:
             setattr(m, fused, _concat(parts))
             for n in names:
                 delattr(m, n)
-    return model
+    return forget_plans(model)
 
 
 def exact_verify(model: nn.Module) -> nn.Module:

@@ -300,3 +300,81 @@ def test_cuda_graph_replay_equals_eager(pair):
         if checked == 4:
             break
     assert checked == 4
+
+
+def _load(path, quant=None, dtype=torch.float32):
+    target = loading.load_target(path, torch.device("cpu"), dtype)
+    return {"int8": quantize_int8, "int4": quantize_int4}.get(quant, lambda m: m)(target)
+
+
+def _decode_run(target, prompt: list[int], steps: int, taps=(2, 0, 1)):
+    """Logits and taps of `steps` greedy one-token passes after a prefill, and the cache."""
+    c = target.new_cache(len(prompt) + steps + 1)
+    tok = target(torch.tensor([prompt]), c).logits[0, -1].argmax()
+    out = []
+    for _ in range(steps):
+        r = target(tok.view(1, 1), c, logits="last", taps=taps)
+        out += [r.logits, r.hidden]
+        tok = r.logits[0, -1].argmax()
+    return out, c
+
+
+@pytest.mark.parametrize("quant", [None, "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_flat_decode_step_equals_module_path(tiny_models, kind, quant):
+    """One-token passes go through llama.Model._decode (the layer modules' kernels, flattened): logits, tap
+    features and cache are bit for bit the module path's, over a run of greedy steps."""
+    dtype = torch.bfloat16 if quant == "bfloat16" else torch.float32
+    target = _load(tiny_models[kind], None if quant == "bfloat16" else quant, dtype)
+    rng = random.Random(5)
+    for _ in range(3):
+        prompt = [rng.randrange(255) for _ in range(rng.randint(1, 20))]
+        runs = []
+        with torch.inference_mode():
+            for fast in (False, True):
+                target.fast_decode, target._plan = fast, None
+                runs.append(_decode_run(target, prompt, 12))
+        assert target._plan is not None  # the flat path ran
+        (want, c1), (got, c2) = runs
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        assert torch.equal(c1.k, c2.k) and torch.equal(c1.v, c2.v) and c1.length == c2.length
+
+
+def test_flat_decode_follows_replaced_layers_and_windows(tiny_models):
+    """The flat path looks its layers up once; quantizing or converting afterwards rebuilds that (same
+    results as a model quantized before its first step), and a sliding window past its reach takes the
+    module path (masked decode)."""
+    path = tiny_models["llama"]
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    with torch.inference_mode():
+        for quant, fuse in (("int8", True), ("int4", True), ("int4", False)):
+            late = _load(path)
+            _decode_run(late, prompt, 2)  # builds the plan from float32 layers
+            (quantize_int8 if quant == "int8" else quantize_int4)(late, fuse=fuse)
+            want, _ = _decode_run(_load(path, quant), prompt, 6)
+            got, _ = _decode_run(late, prompt, 6)
+            assert all(torch.equal(a, b) for a, b in zip(want, got))
+        late = _load(path)
+        _decode_run(late, prompt, 2)
+        overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+        torch.__future__.set_overwrite_module_params_on_conversion(True)  # new tensors, as a device move makes
+        try:
+            late.to(torch.bfloat16)
+        finally:
+            torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+        got, _ = _decode_run(late, prompt, 6)
+        late.fast_decode = False
+        want, _ = _decode_run(late, prompt, 6)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        windowed = _load(path)
+        windowed.config.sliding_window = 12  # steps at positions 8..11 flat, from 12 on masked
+        runs = []
+        for fast in (False, True):
+            windowed.fast_decode = fast
+            runs.append(_decode_run(windowed, prompt, 10)[0])
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+        plain = _load(path)
+        plain.config.sliding_window = 12
+        plain.fast_decode = False
+        free = _decode_run(_load(path), prompt, 10)[0]  # no window: differs once the window cuts keys off
+        assert not all(torch.equal(a, b) for a, b in zip(runs[0], free))
