@@ -156,7 +156,7 @@ class Model(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.fast_decode = True  # one-token passes through `_decode` (same bits; False: the module path)
+        self.flat = True  # decode and one-query-at-a-time passes through `_flat` (same bits; False: modules)
         self._plan = None
         self.post_load()
 
@@ -201,8 +201,9 @@ class Model(nn.Module):
         start, t = cache.length, input_ids.shape[1]
         window = self.config.sliding_window
         static = positions is not None
-        if t == 1 and self.fast_decode and not static and input_ids.shape[0] == 1 and (not window or start < window):
-            return self._decode(input_ids, cache, logits, taps)
+        if self.flat and not static and input_ids.shape[0] == 1 and (
+                t == 1 and (not window or start < window) or t > 1 and self._each_query(t)):
+            return self._flat(input_ids, cache, logits, taps)
         if static:
             k_pos = torch.arange(cache.max_len, device=input_ids.device)
             mask = attention_mask(positions, k_pos, causal=True, window=window)  # [T, S]
@@ -235,8 +236,12 @@ class Model(nn.Module):
         self._plan = None  # .to() / .half() may replace tensors the decode plan holds
         return super()._apply(fn, recurse)
 
+    def _each_query(self, t: int) -> bool:
+        a = self.model.layers[0].self_attn  # quantize.py sets these on every layer alike
+        return a.exact_verify and (a.exact_max_t is None or t <= a.exact_max_t) and a.no_window
+
     def _decode_plan(self) -> list[tuple]:
-        # Per layer, the functions and tensors `_decode` needs, looked up once: nn.Module attribute
+        # Per layer, the functions and tensors `_flat` needs, looked up once: nn.Module attribute
         # lookups and calls cost about a microsecond each, and a decode step makes hundreds of them.
         # quantize.py drops the plan when it replaces layers (`forget_plans`).
         plan = []
@@ -250,45 +255,48 @@ class Model(nn.Module):
                          _plain(layer.post_attention_layernorm), mlp_in, mlp.act, _plain(mlp.down_proj)))
         return plan
 
-    def _decode(self, input_ids: torch.Tensor, cache: KVCache, logits: str | None, taps) -> Output:
-        # One token of one sequence through exactly the kernels of the layer modules above, with their
+    def _flat(self, input_ids: torch.Tensor, cache: KVCache, logits: str | None, taps) -> Output:
+        # T tokens of one sequence through exactly the kernels of the layer modules above, with their
         # calls, 4-D views, checks and attribute lookups flattened out: a decode step is a few hundred
         # small operators around the matmuls, so what surrounds them is a large share of its time
-        # (docs/performance.md, "A flat decode step"). Same bits as the module path (`fast_decode =
-        # False`; tests/test_fast.py).
+        # (docs/performance.md, "A flat decode step"). Taken for decode steps, and for passes that
+        # attend one query at a time (quantized verify): there every query is a decode step's
+        # attention call. Same bits as the module path (`flat = False`; tests/test_fast.py).
         if self._plan is None:
             self._plan = self._decode_plan()
         c = self.config
         h, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        nqk = (h + hkv) * d
+        nqk, t = (h + hkv) * d, input_ids.shape[1]
         pos = cache.length
-        end = pos + 1
+        end = pos + t
         if end > cache.max_len:
             raise ValueError(f"KV cache overflow: position {end} > capacity {cache.max_len}")
         cos, sin = self.rotary(torch.arange(pos, end, device=input_ids.device), self.model.embed_tokens.weight.dtype)
-        x = self.model.embed_tokens(input_ids[0])  # [1, H]
+        cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]: broadcast over heads
+        x = self.model.embed_tokens(input_ids[0])  # [T, H]
         tapped = {}
         for i, (norm1, qkv_fns, qk_norms, scale, o_proj, norm2, mlp_in, act, down) in enumerate(self._plan):
             y = norm1(x)
             if len(qkv_fns) == 1 and qk_norms is None:  # q and k heads rotated in one pass, as forward does
-                qkv = qkv_fns[0](y)  # [1, (H + 2 Hkv) * D]
-                qk = apply_rotary(qkv[:, :nqk].view(h + hkv, d), cos, sin)  # [H + Hkv, D]
-                q, k, v = qk[:h], qk[h:], qkv[:, nqk:].view(hkv, d)
+                qkv = qkv_fns[0](y)  # [T, (H + 2 Hkv) * D]
+                qk = apply_rotary(qkv[:, :nqk].view(t, h + hkv, d), cos, sin)  # [T, H + Hkv, D]
+                q, k, v = qk[:, :h], qk[:, h:], qkv[:, nqk:].view(t, hkv, d)
             else:
                 if len(qkv_fns) == 1:
                     q, k, v = qkv_fns[0](y).split([h * d, hkv * d, hkv * d], -1)
                 else:
                     q, k, v = qkv_fns[0](y), qkv_fns[1](y), qkv_fns[2](y)
-                q, k, v = q.view(h, d), k.view(hkv, d), v.view(hkv, d)
+                q, k, v = q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
                 if qk_norms is not None:
                     q, k = qk_norms[0](q), qk_norms[1](k)
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             keys, values = cache.k_layers[i], cache.v_layers[i]  # [1, Hkv, S, D]
-            keys[0, :, pos].copy_(k)
-            values[0, :, pos].copy_(v)
-            o = F.scaled_dot_product_attention(q.view(1, h, 1, d), keys[:, :, :end], values[:, :, :end],
-                                               scale=scale, enable_gqa=hkv != h)  # [1, H, 1, D]
-            x = x + o_proj(o.view(1, h * d))
+            keys[0, :, pos:end].copy_(k.transpose(0, 1))
+            values[0, :, pos:end].copy_(v.transpose(0, 1))
+            o = [F.scaled_dot_product_attention(q[j].reshape(1, h, 1, d), keys[:, :, : pos + j + 1],
+                                                values[:, :, : pos + j + 1], scale=scale, enable_gqa=hkv != h)
+                 for j in range(t)]  # T x [1, H, 1, D]
+            x = x + o_proj((o[0] if t == 1 else torch.cat(o, dim=2)).transpose(1, 2).reshape(t, h * d))
             y = norm2(x)
             if len(mlp_in) == 1:
                 gate, up = mlp_in[0](y).chunk(2, dim=-1)
@@ -298,8 +306,10 @@ class Model(nn.Module):
             if i in taps:
                 tapped[i] = x
         cache.length = end
-        hidden = torch.cat([tapped[i] for i in taps], dim=-1)[None] if taps else None  # [1, 1, n * H]
-        out = self.lm_head(self.model.norm(x))[None] if logits else None  # [1, 1, V]
+        hidden = torch.cat([tapped[i] for i in taps], dim=-1)[None] if taps else None  # [1, T, n * H]
+        out = None
+        if logits:
+            out = self.lm_head(self.model.norm(x[-1:] if logits == "last" else x))[None]  # [1, T', V]
         return Output(out, hidden)
 
 

@@ -89,7 +89,7 @@ class Int4Linear(nn.Module):
 
     def plain(self):
         """forward for 2-D inputs as a plain function: no module call, reshapes or attribute lookups
-        (a decode step makes a hundred of these calls; llama.Model._decode). Same kernel, same bits."""
+        (a decode step makes a hundred of these calls; llama.Model._flat). Same kernel, same bits."""
         mm, w, g, sz, bias = torch.ops.aten._weight_int4pack_mm_for_cpu, self.weight_int4, self.group_size, \
             self.scales_and_zeros, self.bias
         if bias is None:

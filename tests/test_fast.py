@@ -322,7 +322,7 @@ def _decode_run(target, prompt: list[int], steps: int, taps=(2, 0, 1)):
 @pytest.mark.parametrize("quant", [None, "bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_flat_decode_step_equals_module_path(tiny_models, kind, quant):
-    """One-token passes go through llama.Model._decode (the layer modules' kernels, flattened): logits, tap
+    """One-token passes go through llama.Model._flat (the layer modules' kernels, flattened): logits, tap
     features and cache are bit for bit the module path's, over a run of greedy steps."""
     dtype = torch.bfloat16 if quant == "bfloat16" else torch.float32
     target = _load(tiny_models[kind], None if quant == "bfloat16" else quant, dtype)
@@ -332,7 +332,7 @@ def test_flat_decode_step_equals_module_path(tiny_models, kind, quant):
         runs = []
         with torch.inference_mode():
             for fast in (False, True):
-                target.fast_decode, target._plan = fast, None
+                target.flat, target._plan = fast, None
                 runs.append(_decode_run(target, prompt, 12))
         assert target._plan is not None  # the flat path ran
         (want, c1), (got, c2) = runs
@@ -363,18 +363,53 @@ def test_flat_decode_follows_replaced_layers_and_windows(tiny_models):
         finally:
             torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
         got, _ = _decode_run(late, prompt, 6)
-        late.fast_decode = False
+        late.flat = False
         want, _ = _decode_run(late, prompt, 6)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
         windowed = _load(path)
         windowed.config.sliding_window = 12  # steps at positions 8..11 flat, from 12 on masked
         runs = []
         for fast in (False, True):
-            windowed.fast_decode = fast
+            windowed.flat = fast
             runs.append(_decode_run(windowed, prompt, 10)[0])
         assert all(torch.equal(a, b) for a, b in zip(*runs))
         plain = _load(path)
         plain.config.sliding_window = 12
-        plain.fast_decode = False
+        plain.flat = False
         free = _decode_run(_load(path), prompt, 10)[0]  # no window: differs once the window cuts keys off
         assert not all(torch.equal(a, b) for a, b in zip(runs[0], free))
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_flat_verify_and_exact_prefill_equal_module_path(tiny_models, kind, quant, monkeypatch):
+    """Quantized targets attend one query at a time in verify passes (and in prefills with
+    quantize.exact_prefill); those passes take the flat path too, bit for bit the module path's."""
+    from dflash_torch import llama
+    from dflash_torch.quantize import exact_prefill
+
+    target = _load(tiny_models[kind], quant)
+    widths = []
+    flat = llama.Model._flat
+    monkeypatch.setattr(llama.Model, "_flat", lambda self, ids, *a: widths.append(ids.shape[1]) or flat(self, ids, *a))
+    rng = random.Random(8)
+    for prefill_exact in (False, True):
+        if prefill_exact:
+            exact_prefill(target)
+        prompt = [rng.randrange(255) for _ in range(40)]
+        blocks = [[rng.randrange(255) for _ in range(w)] for w in (7, 1, 16, 3)]
+        runs = []
+        with torch.inference_mode():
+            for on in (False, True):
+                target.flat = on
+                c = target.new_cache(len(prompt) + 30)
+                out = [target(torch.tensor([prompt]), c, logits="all", taps=(1,)).logits]
+                for b in blocks:
+                    r = target(torch.tensor([b]), c, logits="all", taps=(0, 2))
+                    out += [r.logits, r.hidden]
+                    c.crop(c.length - len(b) + 1)  # keep one token of each block, as a rejected draft would
+                runs.append((out, c))
+        (want, c1), (got, c2) = runs
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        assert torch.equal(c1.k[:, :, :, : c1.length], c2.k[:, :, :, : c2.length]) and c1.length == c2.length
+    assert 7 in widths and 16 in widths and 40 in widths  # verify passes, and the exact prefill, went flat
