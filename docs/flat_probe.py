@@ -1,0 +1,62 @@
+"""The flat pass against the module path: bit equality and time per pass (docs/performance.md).
+
+Loads the embedded default model, runs greedy decode steps and verify passes once through the layer
+modules (`Model.flat = False`) and once through `llama.Model._flat`, checks that logits and cache are
+bit-identical, then times passes of each width after a 128-token context, alternating the two paths
+pass by pass so that both see the same machine load.
+
+    python docs/flat_probe.py --quantize int4
+    python docs/flat_probe.py --quantize none    # float32: decode steps only take the flat path
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from dflash_torch.generate import load
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quantize", default="int4", choices=["int8", "int4", "none"])
+    p.add_argument("--sizes", default="1,4,16", help="tokens per pass (1 = a decode step)")
+    p.add_argument("--repeats", type=int, default=60)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load(None, None, "cpu", "float32", quantize=None if args.quantize == "none" else args.quantize,
+                  quiet=True).target
+    ids = torch.randint(0, 49152, (1, 128), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        runs = []
+        for flat in (False, True):
+            target.flat = flat
+            cache = target.new_cache(256)
+            out = [target(ids, cache).logits]
+            token = out[0][:, -1].argmax(-1, keepdim=True)
+            for _ in range(16):
+                out.append(target(token, cache).logits)
+                token = out[-1][:, -1].argmax(-1, keepdim=True)
+            out.append(target(ids[:, :16], cache, logits="all").logits)
+            runs.append((out, cache))
+        (a, ca), (b, cb) = runs
+        same = all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(ca.k, cb.k) and torch.equal(ca.v, cb.v)
+        print(f"{args.quantize}: flat == module path (prefill, 16 decode steps, a 16-token verify): {same}")
+        for width in [int(s) for s in args.sizes.split(",")]:
+            times = {False: [], True: []}
+            for i in range(2 * (args.repeats + 5)):
+                target.flat = bool(i % 2)
+                cache.crop(128)
+                t0 = time.perf_counter()
+                target(ids[:, :width], cache, logits="all")
+                times[target.flat].append(time.perf_counter() - t0)
+            m = {k: statistics.median(v[5:]) * 1e3 for k, v in times.items()}
+            print(f"tokens {width:2d}: module path {m[False]:6.2f} ms, flat {m[True]:6.2f} ms ({m[False] / m[True] - 1:+.1%})")
+
+
+if __name__ == "__main__":
+    main()
