@@ -75,6 +75,13 @@ class AdaptiveBlockSize:
         self.costs[block_size] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
 
+def use_adaptive(flag: bool | None, block_size: int | None, sampler) -> bool:
+    """Whether generate and chat pick block sizes adaptively: on unless `--no-adaptive`, off when
+    `--block-size` fixes the width, and off for a seeded sampled run (its random draws depend on the
+    block sizes, which would then depend on timing)."""
+    return flag is not False and block_size is None and (sampler.greedy or sampler.seed is None)
+
+
 class WithFallback:
     """The adaptive width, inside a target-only fallback controller's decision to speculate at all.
     Attribute reads (events, fallbacks, ...) go to the fallback controller."""

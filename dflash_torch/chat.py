@@ -27,6 +27,7 @@ def add_parser(sub) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Read messages from stdin, stream replies to stdout, one statistics line per reply to stderr."""
+    from .adaptive import use_adaptive
     from .fallback import FallbackController
     from .generate import Detokenizer, check_lengths, load
     from .prefix_cache import PrefixCache
@@ -48,7 +49,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages = list(system)
     carry = None  # the fallback's state at the end of the last reply (speculation was slower: stay off)
     costs = None
-    if use_draft and args.adaptive:
+    if use_draft and use_adaptive(args.adaptive, args.block_size, sampler):
         from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
 
         costs = calibrate(pipe.target, pipe.drafter)  # seconds per cycle by block size, measured once
@@ -89,7 +90,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         controller = fallback = None
         if use_draft and (sampler.greedy or sampler.seed is None):
             controller = fallback = FallbackController(carried=carry)
-        if costs is not None and args.block_size is None:
+        if costs is not None:
             adaptive = AdaptiveBlockSize(dict(costs), pipe.drafter.block_size)
             controller = adaptive if fallback is None else WithFallback(fallback, adaptive)
         stats, detok, reply = Stats(), Detokenizer(pipe), []

@@ -23,8 +23,9 @@ def _common_model_args(p: argparse.ArgumentParser, draft: bool = True, decoding:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay the target's decode and verify passes as CUDA graphs (CUDA, Llama-family targets)")
     if draft and decoding:  # how generation runs: not for commands that only time passes
-        p.add_argument("--adaptive", action="store_true",
-                       help="pick the block size per cycle from measured costs and acceptance")
+        p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                       help="pick the block size per cycle from measured costs and acceptance (default: on for "
+                            "generate, chat and serve unless --block-size is given; off for bench)")
         p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
                        help="prompt-lookup drafts beside the drafter: copy what followed an earlier occurrence "
                             "of the last tokens (default: on whenever the drafter is used)")
@@ -60,6 +61,7 @@ def json_object(text: str) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from .adaptive import use_adaptive
     from .generate import Detokenizer, load, stream
     from .sampling import Sampler
     from .speculative import Stats
@@ -85,7 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             from .fallback import FallbackController
 
             controller = fallback = FallbackController()
-        if args.adaptive:
+        if use_adaptive(args.adaptive, args.block_size, sampler):
             from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
 
             adaptive = AdaptiveBlockSize(calibrate(pipe.target, pipe.drafter), pipe.drafter.block_size)

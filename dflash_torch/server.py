@@ -492,7 +492,7 @@ class Engine:
         self.target_s_per_token: float | None = None  # learned from target-only decoding, for the controller
         self.fallback_carry: dict | None = None  # the last request fell back: the next starts fallen back too
         self.lookup_costs: dict[int, float] = {}  # seconds per verify width, measured by prompt lookup
-        self._costs: dict[int, float] | None = None  # seconds per cycle by block size (--adaptive)
+        self._costs: dict[int, float] | None = None  # seconds per cycle by block size (adaptive block size)
         # caches of finished requests: a conversation's next turn prefills only what is new
         self.prefix = None
         if config.prefix_cache_max_entries > 0:
@@ -582,6 +582,10 @@ class Engine:
             # quantized weights: prefills attend one query at a time like decode steps, so what a later
             # request reuses from the prefix cache is bit for bit what a cold prefill would compute
             self.exact_prefill = True
+        c = self.config
+        if c.adaptive and c.fallback and c.block_size is None and self.pipe.drafter is not None:
+            # seconds per cycle by block size, measured before the first request rather than during it
+            self._costs = calibrate(self.pipe.target, self.pipe.drafter)
         self._banner()
         while not self.stopping:
             job = self.queue.get()
@@ -611,8 +615,12 @@ class Engine:
             if self.exact_prefill:
                 prefix += ", prefills one query at a time (exact reuse with quantized weights)"
         log.info("dflash serve: model %s (%s), context %d tokens", p.name, p.model_path, p.max_context)
-        log.info("dflash serve: drafter %s; fallback %s; fastpath %s", drafter,
-                 "on" if c.fallback and p.drafter else "off", fastpath)
+        adaptive = "off"
+        if self._costs is not None:
+            adaptive = "on (ms per cycle by block size: " + ", ".join(
+                f"{b}: {t * 1e3:.1f}" for b, t in sorted(self._costs.items())) + ")"
+        log.info("dflash serve: drafter %s; fallback %s; adaptive block size %s; fastpath %s", drafter,
+                 "on" if c.fallback and p.drafter else "off", adaptive, fastpath)
         log.info("dflash serve: device %s, dtype %s, queue %d, prefix cache %s", p.device,
                  str(p.dtype).removeprefix("torch."), c.max_queue, prefix)
         log.info("dflash serve: ready on http://%s:%d (OpenAI API under /v1; /health, /metrics)", c.host, c.port)
@@ -1268,7 +1276,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         fastpath_max_tokens=args.fastpath_max_tokens, api_key=args.api_key, max_tokens=args.max_tokens,
         block_size=args.block_size, max_queue=args.max_queue, device=args.device, dtype=args.dtype,
         quantize=getattr(args, "quantize", None), cuda_graphs=getattr(args, "cuda_graphs", False),
-        adaptive=getattr(args, "adaptive", False),
+        adaptive=getattr(args, "adaptive", None) is not False,  # on unless --no-adaptive (or --block-size)
         lookup=getattr(args, "lookup", None),
         prefix_cache_max_entries=0 if args.no_prefix_cache else args.prefix_cache_max_entries,
         prefix_cache_max_bytes=args.prefix_cache_max_bytes,

@@ -188,6 +188,27 @@ def test_zlab_generate_cli_matches_expected(zlab, capsys, use_draft):
                           "prefill_s", "decode_tok_s"}
 
 
+def test_generate_picks_block_sizes_adaptively_unless_told_not_to(zlab, capsys):
+    """generate runs the adaptive block size by default (the widths it chose are in --json); --no-adaptive
+    and --block-size turn it off, and so does a seeded sampled run (its draws must not depend on timing).
+    The tokens are the target's greedy tokens every way."""
+    from dflash_torch.adaptive import use_adaptive
+    from dflash_torch.sampling import Sampler
+
+    case = json.loads((zlab / "expected.json").read_text())["generate"][0]
+    base = ["generate", "--model", str(zlab / "target"), "--draft", str(zlab / "draft"), "--max-tokens", "24",
+            "--prompt-ids", ",".join(map(str, case["prompt"])), "--json"]
+    for extra, adaptive in (([], True), (["--adaptive"], True), (["--no-adaptive"], False),
+                            (["--block-size", "4"], False)):
+        out = _cli_json(base + extra, capsys)
+        assert out["token_ids"] == case["greedy_output"][:24]
+        assert ("block_sizes_used" in out["stats"]) == adaptive, extra
+    greedy, seeded, unseeded = Sampler(), Sampler(temperature=0.7, seed=1), Sampler(temperature=0.7)
+    assert use_adaptive(None, None, greedy) and use_adaptive(None, None, unseeded)
+    assert not use_adaptive(None, None, seeded) and not use_adaptive(False, None, greedy)
+    assert not use_adaptive(None, 8, greedy) and not use_adaptive(True, 8, greedy)
+
+
 def test_cli_errors_are_messages_not_tracebacks(zlab, capsys, tmp_path):
     from dflash_torch.cli import main
 
