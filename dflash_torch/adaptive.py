@@ -4,8 +4,11 @@ A block of b positions commits E(b) = 1 + r_1 + ... + r_{b-1} tokens on average,
 probability that the first k drafted tokens are all accepted (the running per-position acceptance).
 It costs t(b) = draft + verify seconds, measured per block size (a calibration at start, then a
 moving average of the cycles actually run). The best block size maximises E(b) / t(b); b = 1 is a
-plain target step (E = 1), so a drafter that stops paying is dropped the same way. Every few cycles
-the full block is tried again so the acceptance of the far positions stays current.
+plain target step (E = 1), so a drafter that stops paying is dropped the same way. Now and then the
+full block is tried again so the acceptance of the far positions stays current: every `probe_every`
+cycles at most, and no more often than keeps what those tries lose against the best width within
+`probe_budget` of the time (where a wide verify costs several plain steps, as on a CPU, that is
+rarely).
 Output never depends on this choice: every token is the target's.
 """
 
@@ -20,15 +23,19 @@ class AdaptiveBlockSize:
     """`controller` for `speculative.generate_tokens`.
 
     costs: {block size: seconds per cycle} to start from (see `calibrate`); max_block: the drafter's
-    block size; decay: weight kept by old acceptance counts each cycle; probe_every: cycles between
-    full-block probes.
+    block size; decay: weight kept by old acceptance counts each cycle; probe_every: the fewest cycles
+    between full-block probes; probe_budget: the share of time that probes may lose against the best
+    width. One instance may serve many generations in turn (a server's requests): what it learned,
+    and when its next probe is due, carry over.
     """
 
-    def __init__(self, costs: dict[int, float], max_block: int, decay: float = 0.97, probe_every: int = 16) -> None:
+    def __init__(self, costs: dict[int, float], max_block: int, decay: float = 0.97, probe_every: int = 16,
+                 probe_budget: float = 0.05) -> None:
         self.costs = {b: t for b, t in costs.items() if 1 <= b <= max_block}
         if 1 not in self.costs or max_block not in self.costs:
             raise ValueError("costs must include block size 1 and the drafter's block size")
-        self.max_block, self.decay, self.probe_every = max_block, decay, probe_every
+        self.max_block, self.decay, self.probe_every, self.probe_budget = max_block, decay, probe_every, probe_budget
+        self._last_probe = 0  # cycle of the last full-block try
         self.accepted = [0.0] * max_block  # [k]: decayed count of cycles whose first k + 1 drafts were kept
         self.drafted = [0.0] * max_block
         self.cycles = 0
@@ -54,10 +61,21 @@ class AdaptiveBlockSize:
     def best(self) -> int:
         return max(range(1, self.max_block + 1), key=lambda b: self.expected_tokens(b) / self.cost(b))
 
+    def probe_gap(self, best: int) -> float:
+        """Cycles between full-block probes: at least probe_every, and enough that the seconds one probe
+        loses against `best` (the width it replaces) are probe_budget of the time between probes."""
+        rate = self.expected_tokens(best) / self.cost(best)  # tokens per second at the best width
+        lost = max(0.0, self.cost(self.max_block) - self.expected_tokens(self.max_block) / rate)
+        return max(self.probe_every, lost / (self.probe_budget * self.cost(best)))
+
     def block_size(self, stats) -> int:
         """Block size for the next cycle."""
         self.cycles += 1
-        b = self.max_block if self.cycles % self.probe_every == 1 else self.best()
+        b = self.best()
+        if b != self.max_block and self.cycles - self._last_probe >= self.probe_gap(b):
+            b = self.max_block
+        if b == self.max_block:
+            self._last_probe = self.cycles
         self.history.append(b)
         return b
 

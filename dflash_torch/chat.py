@@ -48,11 +48,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     carry = None  # the fallback's state at the end of the last reply (speculation was slower: stay off)
-    costs = None
+    adaptive = None
     if use_draft and use_adaptive(args.adaptive, args.block_size, sampler):
         from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
 
-        costs = calibrate(pipe.target, pipe.drafter)  # seconds per cycle by block size, measured once
+        # seconds per cycle by block size, measured once
+        adaptive = AdaptiveBlockSize(calibrate(pipe.target, pipe.drafter), pipe.drafter.block_size)
     interactive = sys.stdin.isatty()
     if interactive:
         try:
@@ -90,8 +91,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         controller = fallback = None
         if use_draft and (sampler.greedy or sampler.seed is None):
             controller = fallback = FallbackController(carried=carry)
-        if costs is not None:
-            adaptive = AdaptiveBlockSize(dict(costs), pipe.drafter.block_size)
+        if adaptive is not None:  # one estimator for the whole conversation: what a reply learned carries on
+            adaptive.history.clear()
             controller = adaptive if fallback is None else WithFallback(fallback, adaptive)
         stats, detok, reply = Stats(), Detokenizer(pipe), []
         gen = generate_tokens(pipe.target, ids, max_new_tokens=max_tokens, drafter=pipe.drafter if use_draft else None,

@@ -493,6 +493,7 @@ class Engine:
         self.fallback_carry: dict | None = None  # the last request fell back: the next starts fallen back too
         self.lookup_costs: dict[int, float] = {}  # seconds per verify width, measured by prompt lookup
         self._costs: dict[int, float] | None = None  # seconds per cycle by block size (adaptive block size)
+        self.adaptive: AdaptiveBlockSize | None = None
         # caches of finished requests: a conversation's next turn prefills only what is new
         self.prefix = None
         if config.prefix_cache_max_entries > 0:
@@ -571,21 +572,25 @@ class Engine:
 
     def _main(self) -> None:
         try:
-            self.pipe = self.loader()
+            pipe = self.loader()
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
             log.error("dflash serve: could not load the model: %s", self.error)
             if self.on_load_error:
                 self.on_load_error(e)
             return
-        if self.prefix is not None and exact_prefill(self.pipe.target):
+        if self.prefix is not None and exact_prefill(pipe.target):
             # quantized weights: prefills attend one query at a time like decode steps, so what a later
             # request reuses from the prefix cache is bit for bit what a cold prefill would compute
             self.exact_prefill = True
         c = self.config
-        if c.adaptive and c.fallback and c.block_size is None and self.pipe.drafter is not None:
-            # seconds per cycle by block size, measured before the first request rather than during it
-            self._costs = calibrate(self.pipe.target, self.pipe.drafter)
+        if c.adaptive and c.fallback and c.block_size is None and pipe.drafter is not None:
+            # seconds per cycle by block size, measured before the server reports ready (not in the
+            # first request's time); one estimator for all requests, so what a request learned about
+            # acceptance, and when the full block is due for a try, carry into the next one
+            self._costs = calibrate(pipe.target, pipe.drafter)
+            self.adaptive = AdaptiveBlockSize(dict(self._costs), pipe.drafter.block_size)
+        self.pipe = pipe  # /health reports ready from here
         self._banner()
         while not self.stopping:
             job = self.queue.get()
@@ -637,10 +642,11 @@ class Engine:
             job.controller = FallbackController(target_s_per_token=self.target_s_per_token,
                                                 carried=self.fallback_carry)
             if self.config.adaptive and self.config.block_size is None:
-                if self._costs is None:  # measured once, on the first request that can use it
+                if self.adaptive is None:  # not measured at load (a model handed in ready-made)
                     self._costs = calibrate(pipe.target, pipe.drafter)
-                job.controller = WithFallback(job.controller, AdaptiveBlockSize(dict(self._costs),
-                                                                                pipe.drafter.block_size))
+                    self.adaptive = AdaptiveBlockSize(dict(self._costs), pipe.drafter.block_size)
+                self.adaptive.history.clear()  # the widths of this request only (kept per request, not forever)
+                job.controller = WithFallback(job.controller, self.adaptive)
         text = TextStream(pipe, job.stops)
         calls = ToolCallStream(job.tools) if job.tools else None
         stops = set(pipe.stop_token_ids)

@@ -133,6 +133,32 @@ def test_adaptive_block_size_is_lossless_and_adapts(pair):
     assert bad.history.count(1) > 0.7 * len(bad.history)
 
 
+def test_adaptive_full_block_tries_cost_what_they_are_allowed_to():
+    """Where a full block costs several plain steps and the drafter keeps nothing, the adaptive width
+    still tries the full block now and then, but the time those tries lose stays within probe_budget;
+    a drafter that keeps everything gets the full block every cycle."""
+    costs = {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.0, 16: 7.0}  # a CPU-like verify: 16 wide = 7 plain steps
+    a = AdaptiveBlockSize(dict(costs), 16)
+    spent = tokens = 0.0
+    for _ in range(2000):
+        b = a.block_size(None)
+        a.observe(b, 1, costs[b])  # nothing kept: one token per cycle whatever the width
+        spent, tokens = spent + costs[b], tokens + 1
+    tries = a.history.count(16)
+    assert 5 <= tries <= 40 and a.history[-50:].count(1) >= 45
+    assert spent <= 1.06 * tokens * costs[1]  # what the tries lost: about probe_budget (5%) of the time
+    eager = AdaptiveBlockSize(dict(costs), 16, probe_budget=1.0)
+    for _ in range(2000):
+        b = eager.block_size(None)
+        eager.observe(b, 1, costs[b])
+    assert eager.history.count(16) > 2 * tries  # a larger budget tries more often
+    good = AdaptiveBlockSize(dict(costs), 16)
+    for _ in range(200):
+        b = good.block_size(None)
+        good.observe(b, b, costs[b])  # every draft kept
+    assert good.history[-100:] == [16] * 100
+
+
 def test_calibrate_measures_each_block_size(pair):
     path, dpath = pair
     target = loading.load_target(path, torch.device("cpu"), torch.float32)
