@@ -19,7 +19,7 @@ def _common_model_args(p: argparse.ArgumentParser, draft: bool = True, decoding:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--quantize", default=None, choices=["int8", "int4"],
-                   help="weight-only int8 or int4 (CPU) linear layers in the target (default: off)")
+                   help="weight-only int8 or int4 (CPU) linear layers in the target and drafter (default: off)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay the target's decode and verify passes as CUDA graphs (CUDA, Llama-family targets)")
     if draft and decoding:  # how generation runs: not for commands that only time passes

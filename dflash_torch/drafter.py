@@ -139,14 +139,15 @@ class DFlashDrafter(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        return self.norm.weight.dtype  # a norm: never quantized (fc may be, whose .weight reads back bf16)
 
     def fuse_context_kv(self) -> DFlashDrafter:
         """Compute the context keys/values of all draft layers with one matmul instead of two per layer
         (inference only: a copy of the k/v weights, so call it again after changing them). The context is
         the same for every layer; only the block's own k/v differ per layer."""
         parts = [p for layer in self.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
-        self.ctx_kv_weight = torch.cat([p.weight.detach() for p in parts])  # [L * 2 * Hkv * D, H]
+        # (quantized layers read back their dequantized weights: the context's k/v match the block's)
+        self.ctx_kv_weight = torch.cat([p.weight.detach().to(self.dtype) for p in parts])  # [L * 2 * Hkv * D, H]
         self.ctx_kv_bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
         return self
 
@@ -155,7 +156,7 @@ class DFlashDrafter(nn.Module):
         a = self.layers[0].self_attn
         return KVCache(
             len(self.layers), a.n_kv, a.head_dim, max_len + self.block_size,
-            batch=batch, dtype=self.dtype, device=self.fc.weight.device,
+            batch=batch, dtype=self.dtype, device=self.norm.weight.device,
         )
 
     def forward(

@@ -36,7 +36,7 @@ class Pipeline:
     draft_path: Path | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
-    quantize: str | None = None  # "int8" / "int4": the target's linear layers are weight-only quantized
+    quantize: str | None = None  # "int8" / "int4": the target's and drafter's linear layers, weight-only
 
     @property
     def max_context(self) -> int:
@@ -93,7 +93,8 @@ def load(
 
     model: None (embedded default), a directory, a .gguf file or a hub id. draft: "auto" (the
     registered drafter for this model, if any), None (no drafter), or a directory / hub id.
-    quantize: None, "int8" or "int4" (weight-only quantized linear layers in the target; int4: CPU only).
+    quantize: None, "int8" or "int4" (weight-only quantized linear layers in the target and the drafter;
+    int4: CPU only).
     cuda_graphs: replay the target's decode and verify passes as CUDA graphs (cudagraph.py; CUDA,
     Llama-family targets). The performance switches live here, and none changes greedy output.
     """
@@ -130,7 +131,14 @@ def load(
         print(f"dflash: no drafter registered for {name}; running target-only", file=sys.stderr)
     if draft_spec is not None:
         draft_path = loading.resolve_model(str(draft_spec)) if not Path(draft_spec).is_dir() else Path(draft_spec)
-        drafter = load_drafter(draft_path, device=dev, dtype=dt).fuse_context_kv()
+        drafter = load_drafter(draft_path, device=dev, dtype=dt)
+        if quantize is not None:
+            # The drafter's layers too: a draft pass reads its weights once per cycle, and its proposals
+            # only steer speed (the target verifies every token), so output stays the same.
+            from .quantize import quantize_int4, quantize_int8
+
+            (quantize_int4 if quantize == "int4" else quantize_int8)(drafter)
+        drafter.fuse_context_kv()
         drafter.check_target(config, target.num_layers, target.config.vocab_size)
         registry.warn_if_other_target(drafter, name, config)
         pipe.drafter, pipe.draft_path = drafter, draft_path

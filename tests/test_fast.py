@@ -106,6 +106,37 @@ def test_switches_keep_speculative_equal_to_target_only(pair, dtype, quant):
     assert checked == 6
 
 
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantize_covers_the_drafter_and_keeps_output(pair, quant):
+    """`load(quantize=...)` quantizes the drafter's layers too (fewer bytes per draft pass); its
+    proposals change a little, the tokens do not: DFlash greedy == target-only greedy, exactly."""
+    from dflash_torch.generate import load
+
+    path, dpath = pair
+    pipe = load(str(path), str(dpath), "cpu", "float32", quantize=quant, quiet=True)
+    kind = Int8Linear if quant == "int8" else Int4Linear
+    d = pipe.drafter
+    assert isinstance(d.fc, kind) and isinstance(d.layers[0].self_attn.q_proj, kind)
+    assert d.dtype == torch.float32 and d.new_cache(8).k.dtype == torch.float32
+    k0 = d.layers[0].self_attn.k_proj
+    assert torch.equal(d.ctx_kv_weight[: k0.out_features], k0.weight.float())  # context k/v: the same weights
+    plain = load_drafter(dpath)
+    rng = random.Random(4)
+    with torch.inference_mode():
+        ids = torch.tensor([[rng.randrange(255) for _ in range(12)]])
+        c = pipe.target.new_cache(40)
+        hidden = pipe.target(ids, c, taps=d.target_layer_ids).hidden
+        block = torch.full((1, 8), d.mask_token_id)
+        block[0, 0] = 7
+        quantized = d.propose(pipe.target, block, hidden, d.new_cache(40))
+        full = plain.propose(pipe.target, block, hidden, plain.new_cache(40))
+    assert not torch.equal(quantized, full)  # the drafter did change
+    for _ in range(6):
+        prompt = [rng.randrange(255) for _ in range(rng.randint(2, 12))]
+        ref, _ = _gen(pipe.target, prompt, 24)
+        assert _gen(pipe.target, prompt, 24, d)[0] == ref
+
+
 def test_adaptive_block_size_is_lossless_and_adapts(pair):
     path, dpath = pair
     target = loading.load_target(path, torch.device("cpu"), torch.float32)
