@@ -758,6 +758,9 @@ class Metrics:
         self.duration = Histogram("dflash_request_duration_seconds", "Request time, queueing included",
                                   buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
         self.drafts = Counter("dflash_spec_decode_num_drafts", "Speculative cycles that drafted", registry=r)
+        self.verify_widths = Counter("dflash_verify_passes", "Target passes after the prefill by width (1 = a plain "
+                                     "step): what the adaptive block size, prompt lookup and the fallback chose",
+                                     ["width"], registry=r)
         self.draft_tokens = Counter("dflash_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
         self.accepted = Counter("dflash_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
         self.accepted_per_pos = Counter("dflash_spec_decode_num_accepted_tokens_per_pos",
@@ -801,6 +804,11 @@ class Metrics:
             if value > seen.get(key, 0):
                 counter.inc(value - seen.get(key, 0))
                 seen[key] = value
+        widths = seen.setdefault("widths", {})
+        for w, value in s.widths.items():
+            if value > widths.get(w, 0):
+                self.verify_widths.labels(width=str(w)).inc(value - widths.get(w, 0))
+                widths[w] = value
         per_pos = seen.setdefault("per_pos", [])
         for k, value in enumerate(s.accepted_per_position):
             if k == len(per_pos):

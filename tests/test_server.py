@@ -454,6 +454,9 @@ def test_live_metrics_while_a_long_request_runs(pipe):
                      'dflash_spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
                      "dflash_time_to_first_token_seconds_count", "dflash_decode_tokens_per_second_count"):
             assert any(ln.startswith(name + " ") and float(ln.split()[-1]) > 0 for ln in final.splitlines()), name
+        widths = {ln.split('"')[1]: float(ln.split()[-1]) for ln in final.splitlines()
+                  if ln.startswith("dflash_verify_passes_total{")}  # passes by width, as the loop chose them
+        assert sum(v for w, v in widths.items() if int(w) > 1) > 0
         row = httpx.get(base + "/metrics.json").json()["recent"][-1]
         assert row["mode"] == "dflash+lookup" and row["acceptance_length_mean"] > 2 and row["decode_tok_s"] > 0
 
