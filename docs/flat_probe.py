@@ -3,7 +3,8 @@
 Loads the embedded default model, runs greedy decode steps and verify passes once through the layer
 modules (`Model.flat = False`) and once through `llama.Model._flat`, checks that logits and cache are
 bit-identical, then times passes of each width after a 128-token context, alternating the two paths
-pass by pass so that both see the same machine load.
+pass by pass so that both see the same machine load. Last, it times what a decode step cannot do
+without: its linear layers' kernels and its attention calls alone, back to back, nothing around them.
 
     python docs/flat_probe.py --quantize int4
     python docs/flat_probe.py --quantize none    # float32: decode steps only take the flat path
@@ -16,8 +17,10 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from dflash_torch.generate import load
+from dflash_torch.quantize import Int4Linear, Int8Linear
 
 
 def main() -> None:
@@ -57,6 +60,44 @@ def main() -> None:
             m = {k: statistics.median(v[5:]) * 1e3 for k, v in times.items()}
             gain = m[False] / m[True] - 1
             print(f"tokens {width:2d}: module path {m[False]:6.2f} ms, flat {m[True]:6.2f} ms ({gain:+.1%})")
+        kernels_only(target, cache, args.repeats)
+
+
+def kernels_only(target, cache, repeats: int) -> None:
+    """A decode step's linear kernels (every linear layer once, one row) and attention calls (one query
+    over 129 keys per layer), back to back, against a whole decode step."""
+    calls = []
+    for m in target.modules():
+        if isinstance(m, Int4Linear):
+            calls.append((m.plain(), torch.randn(1, m.in_features)))
+        elif isinstance(m, Int8Linear):
+            calls.append((m.forward, torch.randn(1, m.in_features)))
+        elif isinstance(m, torch.nn.Linear):
+            calls.append((lambda x, w=m.weight, b=m.bias: F.linear(x, w, b), torch.randn(1, m.in_features)))
+    c = target.config
+    q = torch.randn(1, c.num_attention_heads, 1, c.head_dim)
+    keys, values = cache.k[:, :, :, :129], cache.v[:, :, :, :129]  # [L, 1, Hkv, 129, D]
+
+    def kernels():
+        for fn, x in calls:
+            fn(x)
+        for k, v in zip(keys, values):
+            F.scaled_dot_product_attention(q, k, v, scale=c.head_dim**-0.5, enable_gqa=True)
+
+    def step():
+        cache.crop(128)
+        target(torch.tensor([[1]]), cache)
+
+    times = {kernels: [], step: []}
+    with torch.inference_mode():
+        for i in range(2 * (repeats + 5)):
+            fn = kernels if i % 2 else step
+            t0 = time.perf_counter()
+            fn()
+            times[fn].append(time.perf_counter() - t0)
+    k, s = (statistics.median(times[f][5:]) * 1e3 for f in (kernels, step))
+    print(f"{len(calls)} linear kernels + {len(keys)} attention calls alone: {k:.2f} ms; whole decode step "
+          f"(flat): {s:.2f} ms")
 
 
 if __name__ == "__main__":
