@@ -102,18 +102,16 @@ def load(
     dt = loading.pick_dtype(dtype, dev)
     path = loading.resolve_model(model)
     target = loading.load_target(path, dev, dt)
-    if quantize == "int8":
-        from .quantize import quantize_int8
-
-        quantize_int8(target)
-    elif quantize == "int4":
-        if dev.type != "cpu":
+    quantizer = None
+    if quantize is not None:
+        if quantize not in ("int8", "int4"):
+            raise ValueError(f"unknown quantization {quantize!r} (choose int8 or int4)")
+        if quantize == "int4" and dev.type != "cpu":
             raise ValueError(f"--quantize int4 uses a CPU-only kernel; on {dev} use --quantize int8")
-        from .quantize import quantize_int4
+        from .quantize import quantize_int4, quantize_int8
 
-        quantize_int4(target)
-    elif quantize is not None:
-        raise ValueError(f"unknown quantization {quantize!r} (choose int8 or int4)")
+        quantizer = quantize_int4 if quantize == "int4" else quantize_int8
+        quantizer(target)
     if cuda_graphs:
         from .cudagraph import GraphedTarget
 
@@ -132,12 +130,10 @@ def load(
     if draft_spec is not None:
         draft_path = loading.resolve_model(str(draft_spec)) if not Path(draft_spec).is_dir() else Path(draft_spec)
         drafter = load_drafter(draft_path, device=dev, dtype=dt)
-        if quantize is not None:
+        if quantizer is not None:
             # The drafter's layers too: a draft pass reads its weights once per cycle, and its proposals
             # only steer speed (the target verifies every token), so output stays the same.
-            from .quantize import quantize_int4, quantize_int8
-
-            (quantize_int4 if quantize == "int4" else quantize_int8)(drafter)
+            quantizer(drafter)
         drafter.fuse_context_kv()
         drafter.check_target(config, target.num_layers, target.config.vocab_size)
         registry.warn_if_other_target(drafter, name, config)

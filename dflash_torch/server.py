@@ -492,8 +492,7 @@ class Engine:
         self.target_s_per_token: float | None = None  # learned from target-only decoding, for the controller
         self.fallback_carry: dict | None = None  # the last request fell back: the next starts fallen back too
         self.lookup_costs: dict[int, float] = {}  # seconds per verify width, measured by prompt lookup
-        self._costs: dict[int, float] | None = None  # seconds per cycle by block size (adaptive block size)
-        self.adaptive: AdaptiveBlockSize | None = None
+        self.adaptive: AdaptiveBlockSize | None = None  # the adaptive block size, shared by all requests
         # caches of finished requests: a conversation's next turn prefills only what is new
         self.prefix = None
         if config.prefix_cache_max_entries > 0:
@@ -588,8 +587,7 @@ class Engine:
             # seconds per cycle by block size, measured before the server reports ready (not in the
             # first request's time); one estimator for all requests, so what a request learned about
             # acceptance, and when the full block is due for a try, carry into the next one
-            self._costs = calibrate(pipe.target, pipe.drafter)
-            self.adaptive = AdaptiveBlockSize(dict(self._costs), pipe.drafter.block_size)
+            self.adaptive = AdaptiveBlockSize(calibrate(pipe.target, pipe.drafter), pipe.drafter.block_size)
         self.pipe = pipe  # /health reports ready from here
         self._banner()
         while not self.stopping:
@@ -621,9 +619,9 @@ class Engine:
                 prefix += ", prefills one query at a time (exact reuse with quantized weights)"
         log.info("dflash serve: model %s (%s), context %d tokens", p.name, p.model_path, p.max_context)
         adaptive = "off"
-        if self._costs is not None:
+        if self.adaptive is not None:  # its costs are still the calibration's here
             adaptive = "on (ms per cycle by block size: " + ", ".join(
-                f"{b}: {t * 1e3:.1f}" for b, t in sorted(self._costs.items())) + ")"
+                f"{b}: {t * 1e3:.1f}" for b, t in sorted(self.adaptive.costs.items())) + ")"
         log.info("dflash serve: drafter %s; fallback %s; adaptive block size %s; fastpath %s", drafter,
                  "on" if c.fallback and p.drafter else "off", adaptive, fastpath)
         log.info("dflash serve: device %s, dtype %s, queue %d, prefix cache %s", p.device,
@@ -641,10 +639,7 @@ class Engine:
         if use_draft and self.config.fallback and (job.sampler.greedy or job.sampler.seed is None):
             job.controller = FallbackController(target_s_per_token=self.target_s_per_token,
                                                 carried=self.fallback_carry)
-            if self.config.adaptive and self.config.block_size is None:
-                if self.adaptive is None:  # not measured at load (a model handed in ready-made)
-                    self._costs = calibrate(pipe.target, pipe.drafter)
-                    self.adaptive = AdaptiveBlockSize(dict(self._costs), pipe.drafter.block_size)
+            if self.adaptive is not None:  # made at load, under the same conditions as this branch
                 self.adaptive.history.clear()  # the widths of this request only (kept per request, not forever)
                 job.controller = WithFallback(job.controller, self.adaptive)
         text = TextStream(pipe, job.stops)
