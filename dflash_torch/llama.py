@@ -6,6 +6,7 @@ plain `load_state_dict`. One `forward` serves prefill, decode and block verifica
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -157,6 +158,7 @@ class Model(nn.Module):
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.flat = True  # decode and one-query-at-a-time passes through `_flat` (same bits; False: modules)
+        self.script = True  # `_flat` compiled by TorchScript (same bits; False: FlatLayers in Python)
         self._plan = None
         self.post_load()
 
@@ -240,20 +242,30 @@ class Model(nn.Module):
         a = self.model.layers[0].self_attn  # quantize.py sets these on every layer alike
         return a.exact_verify and (a.exact_max_t is None or t <= a.exact_max_t) and a.no_window
 
-    def _decode_plan(self) -> list[tuple]:
-        # Per layer, the functions and tensors `_flat` needs, looked up once: nn.Module attribute
-        # lookups and calls cost about a microsecond each, and a decode step makes hundreds of them.
-        # quantize.py drops the plan when it replaces layers (`forget_plans`).
-        plan = []
-        for layer in self.model.layers:
+    def _decode_plan(self) -> nn.Module:
+        # The layers as plain tensors for FlatLayers, looked up once: nn.Module attribute lookups
+        # and calls cost about a microsecond each, and a decode step makes hundreds of them. quantize.py
+        # drops the plan when it replaces layers (`forget_plans`).
+        c = self.config
+        layers = self.model.layers
+        a0, m0 = layers[0].self_attn, layers[0].mlp
+        fused_qkv, fused_mlp = a0.qkv_proj is not None, m0.gate_up_proj is not None
+        norms, lins, qk_norms = [], [], []
+        for layer in layers:
             a, mlp = layer.self_attn, layer.mlp
-            fused_qkv, fused_mlp = a.qkv_proj is not None, mlp.gate_up_proj is not None
-            qkv = (_plain(a.qkv_proj),) if fused_qkv else (_plain(a.q_proj), _plain(a.k_proj), _plain(a.v_proj))
-            qk_norms = (_plain(a.q_norm), _plain(a.k_norm)) if a.qk_norm else None
-            mlp_in = (_plain(mlp.gate_up_proj),) if fused_mlp else (_plain(mlp.gate_proj), _plain(mlp.up_proj))
-            plan.append((_plain(layer.input_layernorm), qkv, qk_norms, a.scale, _plain(a.o_proj),
-                         _plain(layer.post_attention_layernorm), mlp_in, mlp.act, _plain(mlp.down_proj)))
-        return plan
+            if (a.qkv_proj is not None) != fused_qkv or (mlp.gate_up_proj is not None) != fused_mlp:
+                raise ValueError("layers fused differently: fuse all or none (quantize.fuse_projections)")
+            norms += [_norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm)]
+            if a.qk_norm:
+                qk_norms += [_norm_weight(a.q_norm), _norm_weight(a.k_norm)]
+            qkv = [a.qkv_proj] if fused_qkv else [a.q_proj, a.k_proj, a.v_proj]
+            mlp_in = [mlp.gate_up_proj] if fused_mlp else [mlp.gate_proj, mlp.up_proj]
+            lins += [_linear_spec(m) for m in (*qkv, a.o_proj, *mlp_in, mlp.down_proj)]
+        act = ("silu", "gelu_pytorch_tanh", "gelu").index(c.hidden_act)
+        layers = FlatLayers(norms, qk_norms, lins, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                            float(c.rms_norm_eps), float(a0.scale), act, fused_qkv, fused_mlp)
+        # CPU only: on CUDA TorchScript fuses elementwise operators (other bits), and CUDA graphs serve there
+        return script(layers) if self.script and self.model.embed_tokens.weight.device.type == "cpu" else layers
 
     def _flat(self, input_ids: torch.Tensor, cache: KVCache, logits: str | None, taps) -> Output:
         # T tokens of one sequence through exactly the kernels of the layer modules above, with their
@@ -263,67 +275,191 @@ class Model(nn.Module):
         # attend one query at a time (quantized verify): there every query is a decode step's
         # attention call. Same bits as the module path (`flat = False`; tests/test_fast.py).
         if self._plan is None:
-            self._plan = self._decode_plan()
-        c = self.config
-        h, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        nqk, t = (h + hkv) * d, input_ids.shape[1]
-        pos = cache.length
+            self._plan = {}
+        if self.script not in self._plan:
+            try:
+                self._plan[self.script] = self._decode_plan()
+            except TypeError as e:  # a layer type the flat path does not know: the modules, as before
+                warnings.warn(f"{e}: decode steps run through the layer modules", stacklevel=2)
+                self.flat = False
+                return self.forward(input_ids, cache, logits, taps)
+        t, pos = input_ids.shape[1], cache.length
         end = pos + t
         if end > cache.max_len:
             raise ValueError(f"KV cache overflow: position {end} > capacity {cache.max_len}")
         cos, sin = self.rotary(torch.arange(pos, end, device=input_ids.device), self.model.embed_tokens.weight.dtype)
-        cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]: broadcast over heads
         x = self.model.embed_tokens(input_ids[0])  # [T, H]
-        tapped = {}
-        for i, (norm1, qkv_fns, qk_norms, scale, o_proj, norm2, mlp_in, act, down) in enumerate(self._plan):
-            y = norm1(x)
-            if len(qkv_fns) == 1 and qk_norms is None:  # q and k heads rotated in one pass, as forward does
-                qkv = qkv_fns[0](y)  # [T, (H + 2 Hkv) * D]
-                qk = apply_rotary(qkv[:, :nqk].view(t, h + hkv, d), cos, sin)  # [T, H + Hkv, D]
-                q, k, v = qk[:, :h], qk[:, h:], qkv[:, nqk:].view(t, hkv, d)
-            else:
-                if len(qkv_fns) == 1:
-                    q, k, v = qkv_fns[0](y).split([h * d, hkv * d, hkv * d], -1)
-                else:
-                    q, k, v = qkv_fns[0](y), qkv_fns[1](y), qkv_fns[2](y)
-                q, k, v = q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
-                if qk_norms is not None:
-                    q, k = qk_norms[0](q), qk_norms[1](k)
-                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            keys, values = cache.k_layers[i], cache.v_layers[i]  # [1, Hkv, S, D]
-            keys[0, :, pos:end].copy_(k.transpose(0, 1))
-            values[0, :, pos:end].copy_(v.transpose(0, 1))
-            o = [F.scaled_dot_product_attention(q[j].reshape(1, h, 1, d), keys[:, :, : pos + j + 1],
-                                                values[:, :, : pos + j + 1], scale=scale, enable_gqa=hkv != h)
-                 for j in range(t)]  # T x [1, H, 1, D]
-            x = x + o_proj((o[0] if t == 1 else torch.cat(o, dim=2)).transpose(1, 2).reshape(t, h * d))
-            y = norm2(x)
-            if len(mlp_in) == 1:
-                gate, up = mlp_in[0](y).chunk(2, dim=-1)
-            else:
-                gate, up = mlp_in[0](y), mlp_in[1](y)
-            x = x + down(act(gate) * up)
-            if i in taps:
-                tapped[i] = x
+        x, tapped = self._plan[self.script](x, cos[:, None], sin[:, None], pos, cache.k, cache.v, list(taps))
         cache.length = end
-        hidden = torch.cat([tapped[i] for i in taps], dim=-1)[None] if taps else None  # [1, T, n * H]
+        if taps:  # tapped in layer order; the features go in the order asked for
+            by_layer = dict(zip(sorted(set(taps)), tapped))
+            hidden = torch.cat([by_layer[i] for i in taps], dim=-1)[None]  # [1, T, n * H]
+        else:
+            hidden = None
         out = None
         if logits:
             out = self.lm_head(self.model.norm(x[-1:] if logits == "last" else x))[None]  # [1, T', V]
         return Output(out, hidden)
 
 
-def _plain(m: nn.Module):
-    """m's forward as a plain function of a 2-D input, computing exactly what calling m does."""
+# Linear layers as flat_layers reads them: (kind, weight, scales, bias, group size).
+LINEAR, INT8, INT8_DEQUANT, INT4 = 0, 1, 2, 3
+
+
+def _linear_spec(m: nn.Module) -> tuple:
+    """(kind, weight, scales, bias, group) computing exactly what calling m on a 2-D input computes."""
+    from .quantize import Int4Linear, Int8Linear, int8_fits
+
+    none = torch.empty(0)
     if type(m) is nn.Linear:
-        w, b = m.weight, m.bias
-        return lambda x: F.linear(x, w, b)
-    if isinstance(m, RMSNorm):
-        w, shape, eps, ref = m.weight, m.weight.shape, m.eps, m.reference
-        if w.dtype == torch.float32:  # RMSNorm.forward's fast path, else its reference
-            return lambda x: F.rms_norm(x, shape, w, eps) if x.dtype == torch.float32 else ref(x)
-        return ref
-    return m.plain() if hasattr(m, "plain") else m.forward
+        return (LINEAR, m.weight, none, m.bias, 0)
+    if isinstance(m, Int4Linear):
+        return (INT4, m.weight_int4, m.scales_and_zeros, m.bias, m.group_size)
+    if isinstance(m, Int8Linear):
+        if m.weight_int8.device.type == "cpu" and int8_fits(m):  # Int8Linear.forward's kernel branch
+            return (INT8, m.weight_int8, m.scale.to(torch.bfloat16), m.bias, 0)
+        return (INT8_DEQUANT, m.weight_int8, m.scale, m.bias, 0)
+    raise TypeError(f"no flat path for {type(m).__name__}")
+
+
+def _norm_weight(m: RMSNorm) -> torch.Tensor:
+    if type(m) is not RMSNorm:
+        raise TypeError(f"no flat path for {type(m).__name__}")
+    return m.weight
+
+
+def _linear(x: torch.Tensor, spec: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, int]) -> torch.Tensor:
+    kind, w, sz, b, group = spec
+    if kind == 0:  # LINEAR (TorchScript reads no globals)
+        return F.linear(x, w, b)
+    if kind == 3:  # INT4: the kernel takes bfloat16 activations (quantize.Int4Linear)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w, group, sz).to(x.dtype)
+    elif kind == 1:  # INT8
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), w, sz).to(x.dtype)
+    else:
+        y = F.linear(x, w.to(x.dtype)) * sz.to(x.dtype)
+    if b is not None:
+        y = y + b
+    return y
+
+
+def _add_linear(r: torch.Tensor, x: torch.Tensor, spec: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, int]
+                ) -> torch.Tensor:
+    """r + _linear(x, spec), bit for bit, with a quantized kernel's bfloat16 output added as it is: adding
+    promotes it to r's dtype exactly as the cast back would (one operator fewer)."""
+    kind, w, sz, b, group = spec
+    if b is None and kind == 3:
+        return r + torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w, group, sz)
+    if b is None and kind == 1:
+        return r + torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), w, sz)
+    return r + _linear(x, spec)
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and w.dtype == torch.float32:  # RMSNorm.forward's fast path, else its reference
+        return F.rms_norm(x, [w.shape[0]], w, eps)
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # rope.apply_rotary for x [T, N, D], cos/sin [T, 1, Dr] (Dr < D: partial rotary). In full, rotate_half(x)
+    # * sin = [-x2, x1] * sin = roll(x) * [-sin1, sin2] (a product's sign is exact): 4 operators, not 6.
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return x * cos + x.roll(rd // 2, -1) * signed_sin
+    rot = x[..., :rd]
+    x1, x2 = rot.chunk(2, dim=-1)
+    return torch.cat([rot * cos + torch.cat([-x2, x1], dim=-1) * sin, x[..., rd:]], dim=-1)
+
+
+class FlatLayers(nn.Module):
+    """The decoder layers for x [T, H] of one sequence at positions pos.., writing keys/values into the
+    cache and attending one query at a time: the same kernels, in the same order, as the layer modules
+    (same bits), from a plan of plain tensors (`Model._decode_plan`). Runs as Python or, compiled by
+    TorchScript, from its graph interpreter (`script`)."""
+
+    def __init__(self, norms, qk_norms, lins, h: int, hkv: int, d: int, eps: float, scale: float, act: int,
+                 fused_qkv: bool, fused_mlp: bool) -> None:
+        super().__init__()
+        self.norms, self.qk_norms, self.lins = norms, qk_norms, lins
+        self.h, self.hkv, self.d, self.eps, self.scale, self.act = h, hkv, d, eps, scale, act
+        self.fused_qkv, self.fused_mlp = fused_qkv, fused_mlp
+        self.per_layer = (1 if fused_qkv else 3) + 1 + (1 if fused_mlp else 2) + 1  # linear layers per layer
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: int, keys: torch.Tensor,
+                values: torch.Tensor, taps: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        # x [T, H]; cos/sin [T, 1, Dr]; keys/values: the cache [L, 1, Hkv, S, D]
+        t, h, hkv, d, eps = x.shape[0], self.h, self.hkv, self.d, self.eps
+        nqk, n = (h + hkv) * d, self.per_layer
+        half = cos.shape[-1] // 2
+        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # [T, 1, Dr]
+        tapped: list[torch.Tensor] = []
+        for i in range(keys.shape[0]):
+            ls = self.lins[i * n : (i + 1) * n]
+            y = _rms_norm(x, self.norms[2 * i], eps)
+            if self.fused_qkv and len(self.qk_norms) == 0:  # q and k heads rotated in one pass, as Attention does
+                qkv = _linear(y, ls[0])  # [T, (H + 2 Hkv) * D]
+                qk = _rotate(qkv[:, :nqk].view(t, h + hkv, d), cos, sin, signed_sin)  # [T, H + Hkv, D]
+                q, k, v = qk[:, :h], qk[:, h:], qkv[:, nqk:].view(t, hkv, d)
+            else:
+                if self.fused_qkv:
+                    parts = _linear(y, ls[0]).split([h * d, hkv * d, hkv * d], -1)
+                    q, k, v = parts[0], parts[1], parts[2]
+                else:
+                    q, k, v = _linear(y, ls[0]), _linear(y, ls[1]), _linear(y, ls[2])
+                q, k, v = q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
+                if len(self.qk_norms) > 0:
+                    q, k = _rms_norm(q, self.qk_norms[2 * i], eps), _rms_norm(k, self.qk_norms[2 * i + 1], eps)
+                q, k = _rotate(q, cos, sin, signed_sin), _rotate(k, cos, sin, signed_sin)
+            layer_k, layer_v = keys[i], values[i]  # [1, Hkv, S, D]
+            layer_k.narrow(2, pos, t).copy_(k.transpose(0, 1))
+            layer_v.narrow(2, pos, t).copy_(v.transpose(0, 1))
+            q1 = q.unsqueeze(2)  # [T, H, 1, D]: query j is a [1, H, 1, D] slice, as a decode step's query
+            o = [F.scaled_dot_product_attention(q1.narrow(0, j, 1), layer_k.narrow(2, 0, pos + j + 1),
+                                                layer_v.narrow(2, 0, pos + j + 1), scale=self.scale,
+                                                enable_gqa=hkv != h)
+                 for j in range(t)]  # T x [1, H, 1, D]
+            attn = o[0].view(1, h * d) if t == 1 else torch.cat(o, dim=2).transpose(1, 2).reshape(t, h * d)
+            x = _add_linear(x, attn, ls[-3] if self.fused_mlp else ls[-4])
+            y = _rms_norm(x, self.norms[2 * i + 1], eps)
+            if self.fused_mlp:
+                gu = _linear(y, ls[-2]).chunk(2, dim=-1)
+                gate, up = gu[0], gu[1]
+            else:
+                gate, up = _linear(y, ls[-3]), _linear(y, ls[-2])
+            if self.act == 0:
+                gate = F.silu(gate)
+            elif self.act == 1:
+                gate = F.gelu(gate, approximate="tanh")
+            else:
+                gate = F.gelu(gate)
+            x = _add_linear(x, gate * up, ls[-1])
+            if i in taps:
+                tapped.append(x)
+        return x, tapped
+
+
+# For TorchScript, which cannot read string annotations (this file's are) nor infer the type of an empty
+# list or an Optional from a list that holds no None.
+FlatLayers.__annotations__ = {"lins": list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, int]],
+                              "norms": list[torch.Tensor], "qk_norms": list[torch.Tensor]}
+
+
+def script(layers: FlatLayers) -> nn.Module:
+    """`layers` compiled by TorchScript: the same operators run from its graph interpreter instead of
+    Python bytecode. TorchScript fuses nothing on CPU, so the bits are the same (tests/test_fast.py);
+    the time is not (docs/performance.md, "A scripted decode step"). `layers` itself where TorchScript
+    cannot compile it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.jit.script is deprecated in favour of torch.compile
+            return torch.jit.script(layers)
+    except Exception as e:  # no TorchScript in this torch, or no source to compile
+        warnings.warn(f"TorchScript unavailable ({type(e).__name__}): decode steps run in Python", stacklevel=2)
+        return layers
 
 
 def from_config(config: dict) -> Model:

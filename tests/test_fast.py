@@ -388,13 +388,14 @@ def test_flat_decode_step_equals_module_path(tiny_models, kind, quant):
         prompt = [rng.randrange(255) for _ in range(rng.randint(1, 20))]
         runs = []
         with torch.inference_mode():
-            for fast in (False, True):
-                target.flat, target._plan = fast, None
+            for fast, scripted in ((False, False), (True, False), (True, True)):
+                target.flat, target.script, target._plan = fast, scripted, None
                 runs.append(_decode_run(target, prompt, 12))
-        assert target._plan is not None  # the flat path ran
-        (want, c1), (got, c2) = runs
-        assert all(torch.equal(a, b) for a, b in zip(want, got))
-        assert torch.equal(c1.k, c2.k) and torch.equal(c1.v, c2.v) and c1.length == c2.length
+        assert isinstance(target._plan[True], torch.jit.ScriptModule)  # the scripted flat path ran
+        (want, c1), *others = runs
+        for got, c2 in others:  # the flat layers in Python, then compiled by TorchScript
+            assert all(torch.equal(a, b) for a, b in zip(want, got))
+            assert torch.equal(c1.k, c2.k) and torch.equal(c1.v, c2.v) and c1.length == c2.length
 
 
 def test_flat_decode_follows_replaced_layers_and_windows(tiny_models):
@@ -457,8 +458,8 @@ def test_flat_verify_and_exact_prefill_equal_module_path(tiny_models, kind, quan
         blocks = [[rng.randrange(255) for _ in range(w)] for w in (7, 1, 16, 3)]
         runs = []
         with torch.inference_mode():
-            for on in (False, True):
-                target.flat = on
+            for on, scripted in ((False, False), (True, False), (True, True)):
+                target.flat, target.script = on, scripted
                 c = target.new_cache(len(prompt) + 30)
                 out = [target(torch.tensor([prompt]), c, logits="all", taps=(1,)).logits]
                 for b in blocks:
@@ -466,7 +467,39 @@ def test_flat_verify_and_exact_prefill_equal_module_path(tiny_models, kind, quan
                     out += [r.logits, r.hidden]
                     c.crop(c.length - len(b) + 1)  # keep one token of each block, as a rejected draft would
                 runs.append((out, c))
-        (want, c1), (got, c2) = runs
-        assert all(torch.equal(a, b) for a, b in zip(want, got))
-        assert torch.equal(c1.k[:, :, :, : c1.length], c2.k[:, :, :, : c2.length]) and c1.length == c2.length
+        (want, c1), *others = runs
+        for got, c2 in others:
+            assert all(torch.equal(a, b) for a, b in zip(want, got))
+            assert torch.equal(c1.k[:, :, :, : c1.length], c2.k[:, :, :, : c2.length]) and c1.length == c2.length
     assert 7 in widths and 16 in widths and 40 in widths  # verify passes, and the exact prefill, went flat
+
+
+def test_flat_path_falls_back_without_torchscript_or_for_unknown_layers(tiny_models, monkeypatch):
+    """Where TorchScript cannot compile the flat layers they run in Python, and a layer type the flat path
+    does not know sends decode steps through the layer modules: a warning each, the same tokens."""
+    path, prompt = tiny_models["llama"], [3, 1, 4, 1, 5]
+    with torch.inference_mode():
+        want, _ = _decode_run(_load(path, "int4"), prompt, 6)
+
+        def no_script(m):
+            raise RuntimeError("no TorchScript here")
+
+        monkeypatch.setattr(torch.jit, "script", no_script)
+        target = _load(path, "int4")
+        with pytest.warns(UserWarning, match="TorchScript unavailable"):
+            got, _ = _decode_run(target, prompt, 6)
+        assert not isinstance(target._plan[True], torch.jit.ScriptModule)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        monkeypatch.undo()
+
+        class Other(torch.nn.Linear):  # e.g. an adapter around a linear layer
+            pass
+
+        target = _load(path, "int4")
+        other = Other(1, 1)
+        other.forward = target.model.layers[0].self_attn.o_proj.forward
+        target.model.layers[0].self_attn.o_proj = other
+        with pytest.warns(UserWarning, match="no flat path for Other"):
+            got, _ = _decode_run(target, prompt, 6)
+        assert not target.flat
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
