@@ -902,7 +902,7 @@ def add_parser(sub) -> None:
 
     b = sub.add_parser("bench", help="benchmark target-only vs DFlash decoding on prompt suites",
                        description=__doc__.split("\n\n")[0])
-    _common_model_args(b)
+    _common_model_args(b, quantize="none")  # the README's bench commands measure float32 unless told
     b.add_argument("--suite", default=None, choices=[*SUITES, "all"],
                    help="built-in prompt suite (default: chat, unless --prompts is given)")
     b.add_argument("--prompts", default=None, metavar="FILE.jsonl",

@@ -9,7 +9,8 @@ import json
 import sys
 
 
-def _common_model_args(p: argparse.ArgumentParser, draft: bool = True, decoding: bool = True) -> None:
+def _common_model_args(p: argparse.ArgumentParser, draft: bool = True, decoding: bool = True,
+                       quantize: str = "auto") -> None:
     p.add_argument("--model", default=None,
                    help="model directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
     if draft:
@@ -18,8 +19,10 @@ def _common_model_args(p: argparse.ArgumentParser, draft: bool = True, decoding:
         p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
-                   help="weight-only int8 or int4 (CPU) linear layers in the target and drafter (default: off)")
+    p.add_argument("--quantize", default=quantize, choices=["auto", "none", "int8", "int4"],
+                   help="weight-only int8 or int4 (CPU) linear layers in the target and drafter; auto: int4 on "
+                        "a CPU for a GGUF file stored in 4 bits (int8 for 5-8 bits), else none "
+                        f"(default: {quantize})")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay the target's decode and verify passes as CUDA graphs (CUDA, Llama-family targets)")
     if draft and decoding:  # how generation runs: not for commands that only time passes

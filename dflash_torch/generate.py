@@ -93,31 +93,41 @@ def load(
 
     model: None (embedded default), a directory, a .gguf file or a hub id. draft: "auto" (the
     registered drafter for this model, if any), None (no drafter), or a directory / hub id.
-    quantize: None, "int8" or "int4" (weight-only quantized linear layers in the target and the drafter;
-    int4: CPU only).
+    quantize: None (or "none"), "int8" or "int4" (weight-only quantized linear layers in the target and the
+    drafter; int4: CPU only), or "auto" (`loading.auto_quantize`: int4 on a CPU for a 4-bit GGUF file).
     cuda_graphs: replay the target's decode and verify passes as CUDA graphs (cudagraph.py; CUDA,
     Llama-family targets). The performance switches live here, and none changes greedy output.
     """
     dev = loading.pick_device(device)
     dt = loading.pick_dtype(dtype, dev)
     path = loading.resolve_model(model)
+    config = json.loads((path / "config.json").read_text())
+    head = quantize  # the LM head's format: as the other layers' unless --quantize auto says otherwise
+    if quantize == "auto":
+        quantize, head = loading.auto_quantize(config, dev)
+        if quantize and not quiet:
+            types = {k: v for k, v in config["gguf_weight_types"].items() if k != "head"}
+            stored, stored_head = max(types, key=types.get), config["gguf_weight_types"].get("head")
+            print(f"dflash: {quantize} weights, LM head {head or 'not quantized'} (the GGUF file stores "
+                  f"{stored}, its LM head {stored_head}; --quantize none for float32)", file=sys.stderr)
+    elif quantize == "none":
+        quantize = head = None
     target = loading.load_target(path, dev, dt)
     quantizer = None
     if quantize is not None:
         if quantize not in ("int8", "int4"):
-            raise ValueError(f"unknown quantization {quantize!r} (choose int8 or int4)")
+            raise ValueError(f"unknown quantization {quantize!r} (choose auto, none, int8 or int4)")
         if quantize == "int4" and dev.type != "cpu":
             raise ValueError(f"--quantize int4 uses a CPU-only kernel; on {dev} use --quantize int8")
         from .quantize import quantize_int4, quantize_int8
 
         quantizer = quantize_int4 if quantize == "int4" else quantize_int8
-        quantizer(target)
+        quantizer(target, head=head)
     if cuda_graphs:
         from .cudagraph import GraphedTarget
 
         target = GraphedTarget(target)
     tokenizer = loading.load_tokenizer(path)
-    config = json.loads((path / "config.json").read_text())
     config = config.get("text_config") or config  # multimodal checkpoints: the language model's settings
     name = model or loading.DEFAULT_MODEL_NAME
     pipe = Pipeline(

@@ -115,6 +115,13 @@ def convert_gguf(path: Path) -> Path:
     key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:10]
     out = cache_home() / "models" / f"{path.stem}-{key}"
     if (out / "config.json").is_file():
+        config = json.loads((out / "config.json").read_text())
+        if "head" not in config.get("gguf_weight_types", {}):  # converted by an earlier version: add what
+            # --quantize auto reads
+            import gguf
+
+            config["gguf_weight_types"] = gguf_weight_types(gguf.GGUFReader(str(path)))
+            (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         return out
     import gguf
     from tqdm import tqdm
@@ -149,6 +156,7 @@ def convert_gguf(path: Path) -> Path:
         "eos_token_id": field("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
         "converted_from": path.name,
+        "gguf_weight_types": gguf_weight_types(reader),
     }
     state = {}
     for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", file=sys.stderr):
@@ -180,6 +188,41 @@ def convert_gguf(path: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def gguf_weight_types(reader) -> dict[str, int]:
+    """How many of a GGUF file's layer matrices each storage type holds, e.g. {"Q4_1": 210}, and under
+    "head" the LM head's type (the output matrix, else the tied token embedding)."""
+    counts: dict[str, int] = {}
+    head = None
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            name = t.tensor_type.name
+            counts[name] = counts.get(name, 0) + 1
+        elif t.name == "output.weight" or (t.name == "token_embd.weight" and head is None):
+            head = t.tensor_type.name
+    return {**counts, "head": head}
+
+
+def _kernel_for(stored: str | None) -> str | None:
+    if stored and stored.startswith(("Q2", "Q3", "Q4", "IQ1", "IQ2", "IQ3", "IQ4")):
+        return "int4"
+    if stored and stored.startswith(("Q5", "Q6", "Q8")):
+        return "int8"
+    return None
+
+
+def auto_quantize(config: dict, device: torch.device) -> tuple[str | None, str | None]:
+    """What `--quantize auto` picks, (layers, LM head): on a CPU, the int4 kernels for matrices a GGUF file
+    stores in 4 bits or fewer, int8 for 5 to 8 bits, full precision for the rest, so the weights read back
+    at about their stored precision and several times faster than float32 (docs/performance.md). (None,
+    None) for other models and devices."""
+    types = dict(config.get("gguf_weight_types") or {})
+    head = types.pop("head", None)
+    if device.type != "cpu" or not types:
+        return None, None
+    layers = _kernel_for(max(types, key=types.get))  # the type most layer matrices use
+    return layers, _kernel_for(head) if layers else None
 
 
 # --- loading ------------------------------------------------------------------------------------

@@ -105,7 +105,7 @@ def add_parser(sub) -> None:
     from .cli import _common_model_args
 
     p = sub.add_parser("profile", help="time decode, verify and draft passes; print the speedup ceiling")
-    _common_model_args(p, decoding=False)
+    _common_model_args(p, decoding=False, quantize="none")
     p.add_argument("--sizes", default="2,4,8,16", help="block sizes to time")
     p.add_argument("--context", type=int, default=128, help="tokens already in the cache")
     p.add_argument("--repeats", type=int, default=10)

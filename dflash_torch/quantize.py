@@ -16,6 +16,8 @@ LM head is replaced by a quantized copy.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -197,20 +199,44 @@ def exact_prefill(model) -> bool:
     return found
 
 
-def quantize_int8(model: nn.Module, fuse: bool = True) -> nn.Module:
+def quantize_int8(model: nn.Module, fuse: bool = True, head: str | None = "int8") -> nn.Module:
     """Replace every nn.Linear of `model` (the LM head included, untied from the embedding) whose shape
     the kernel takes (`int8_fits`; others stay in full precision) in place, after fusing q/k/v and
-    gate/up (`fuse=False` keeps them apart; same results, more kernel calls)."""
+    gate/up (`fuse=False` keeps them apart; same results, more kernel calls). `head`: "int8", or None to
+    keep the LM head as it is."""
     if fuse:
         fuse_projections(model, fits=int8_fits)
-    return exact_verify(_replace_linears(model, lambda lin: Int8Linear(lin) if int8_fits(lin) else None))
+    with _head_apart(model, head, "int8"):
+        _replace_linears(model, lambda lin: Int8Linear(lin) if int8_fits(lin) else None)
+    return exact_verify(model)
 
 
-def quantize_int4(model: nn.Module, group_size: int = INT4_GROUP_SIZE, fuse: bool = True) -> nn.Module:
+def quantize_int4(model: nn.Module, group_size: int = INT4_GROUP_SIZE, fuse: bool = True,
+                  head: str | None = "int4") -> nn.Module:
     """Replace every nn.Linear of a CPU `model` (the LM head included, untied from the embedding) in
     place; a layer whose shape the kernel does not take stays in full precision. q/k/v and gate/up are
-    fused first where every part fits the kernel (`fuse=False` keeps them apart; same results)."""
+    fused first where every part fits the kernel (`fuse=False` keeps them apart; same results).
+    `head`: "int4", "int8" (an 8-bit LM head: closer to a model stored with one, and slower), or None to
+    keep the LM head as it is."""
     if fuse:
         fuse_projections(model, fits=lambda lin: int4_fits(lin, group_size))
-    return exact_verify(
-        _replace_linears(model, lambda lin: Int4Linear(lin, group_size) if int4_fits(lin, group_size) else None))
+    with _head_apart(model, head, "int4"):
+        _replace_linears(model, lambda lin: Int4Linear(lin, group_size) if int4_fits(lin, group_size) else None)
+    return exact_verify(model)
+
+
+@contextlib.contextmanager
+def _head_apart(model: nn.Module, head: str | None, same: str):
+    """Keep the LM head out of the layer swap inside the block, then make it `head` (same: as the rest)."""
+    lm = getattr(model, "lm_head", None)
+    if head == same or not isinstance(lm, nn.Linear):
+        yield
+        return
+    if head not in ("int8", None):
+        raise ValueError(f"unknown LM head format {head!r}")
+    del model.lm_head
+    try:
+        yield
+    finally:
+        model.lm_head = Int8Linear(lm) if head == "int8" and int8_fits(lm) else lm
+        forget_plans(model)

@@ -65,7 +65,7 @@ class ServerConfig:
     max_queue: int = 64
     device: str = "auto"
     dtype: str = "auto"
-    quantize: str | None = None  # "int8" or "int4": weight-only quantized target
+    quantize: str | None = None  # "int8", "int4" (weight-only quantized target), "auto" or None / "none"
     cuda_graphs: bool = False  # decode/verify passes replayed as CUDA graphs
     adaptive: bool = False  # adaptive block size (inside the fallback's decision)
     fallback: bool = True  # target-only fallback when speculation is slower
@@ -624,8 +624,8 @@ class Engine:
                 f"{b}: {t * 1e3:.1f}" for b, t in sorted(self.adaptive.costs.items())) + ")"
         log.info("dflash serve: drafter %s; fallback %s; adaptive block size %s; fastpath %s", drafter,
                  "on" if c.fallback and p.drafter else "off", adaptive, fastpath)
-        log.info("dflash serve: device %s, dtype %s, queue %d, prefix cache %s", p.device,
-                 str(p.dtype).removeprefix("torch."), c.max_queue, prefix)
+        log.info("dflash serve: device %s, dtype %s, weights %s, queue %d, prefix cache %s", p.device,
+                 str(p.dtype).removeprefix("torch."), p.quantize or "not quantized", c.max_queue, prefix)
         log.info("dflash serve: ready on http://%s:%d (OpenAI API under /v1; /health, /metrics)", c.host, c.port)
 
     def _run(self, job: Job) -> None:

@@ -76,9 +76,10 @@ def test_int4_keeps_layers_the_kernel_cannot_take():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+@pytest.mark.parametrize("quant", [None, "int8", "int4", "int4+int8 head", "int4+full head"])
 def test_switches_keep_speculative_equal_to_target_only(pair, dtype, quant):
-    """Under each switch, DFlash greedy == target-only greedy with the same switch."""
+    """Under each switch, DFlash greedy == target-only greedy with the same switch (the mixed LM heads are
+    what --quantize auto picks for GGUF files storing it in 8 bits or in full precision)."""
     path, dpath = pair
     target = loading.load_target(path, torch.device("cpu"), dtype)
     if quant == "int8":
@@ -88,6 +89,10 @@ def test_switches_keep_speculative_equal_to_target_only(pair, dtype, quant):
         quantize_int4(target)
         assert isinstance(target.lm_head, Int4Linear)
         assert all(not isinstance(m, torch.nn.Linear) for m in target.modules())  # every layer fits the kernel
+    if quant in ("int4+int8 head", "int4+full head"):
+        quantize_int4(target, head="int8" if quant == "int4+int8 head" else None)
+        assert type(target.lm_head) is (Int8Linear if quant == "int4+int8 head" else torch.nn.Linear)
+        assert isinstance(target.model.layers[0].mlp.down_proj, Int4Linear)
     drafter = load_drafter(dpath, dtype=dtype)
     rng = random.Random(5)
     margin = 1e-3 if dtype == torch.float32 else 1e-2  # bfloat16 logits are coarse: near-ties are common
