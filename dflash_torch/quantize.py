@@ -89,15 +89,6 @@ class Int4Linear(nn.Module):
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight_int4, self.group_size, self.scales_and_zeros)
 
-    def plain(self):
-        """forward for 2-D inputs as a plain function: no module call, reshapes or attribute lookups
-        (a decode step makes a hundred of these calls; llama.Model._flat). Same kernel, same bits."""
-        mm, w, g, sz, bias = torch.ops.aten._weight_int4pack_mm_for_cpu, self.weight_int4, self.group_size, \
-            self.scales_and_zeros, self.bias
-        if bias is None:
-            return lambda x: mm(x.to(torch.bfloat16), w, g, sz).to(x.dtype)
-        return lambda x: mm(x.to(torch.bfloat16), w, g, sz).to(x.dtype) + bias
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         # The kernel with float32 activations measured ~30x slower than with bfloat16: always bf16.

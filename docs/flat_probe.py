@@ -1,9 +1,10 @@
 """The flat pass against the module path: bit equality and time per pass (docs/performance.md).
 
-Loads the embedded default model, runs greedy decode steps and verify passes once through the layer
-modules (`Model.flat = False`) and once through `llama.Model._flat`, checks that logits and cache are
-bit-identical, then times passes of each width after a 128-token context, alternating the two paths
-pass by pass so that both see the same machine load. Last, it times what a decode step cannot do
+Loads the embedded default model, runs greedy decode steps and verify passes through the layer
+modules (`Model.flat = False`), through `llama.FlatLayers` in Python (`Model.script = False`) and
+through the same layers compiled by TorchScript (the default), checks that logits and cache are
+bit-identical, then times passes of each width after a 128-token context, taking the three paths in
+turn pass by pass so that all see the same machine load. Last, it times what a decode step cannot do
 without: its linear layers' kernels and its attention calls alone, back to back, nothing around them.
 
     python docs/flat_probe.py --quantize int4
@@ -34,10 +35,11 @@ def main() -> None:
     target = load(None, None, "cpu", "float32", quantize=None if args.quantize == "none" else args.quantize,
                   quiet=True).target
     ids = torch.randint(0, 49152, (1, 128), generator=torch.Generator().manual_seed(0))
+    paths = {"module path": (False, False), "flat": (True, False), "flat, scripted": (True, True)}
     with torch.inference_mode():
         runs = []
-        for flat in (False, True):
-            target.flat = flat
+        for flat, script in paths.values():
+            target.flat, target.script = flat, script
             cache = target.new_cache(256)
             out = [target(ids, cache).logits]
             token = out[0][:, -1].argmax(-1, keepdim=True)
@@ -46,20 +48,25 @@ def main() -> None:
                 token = out[-1][:, -1].argmax(-1, keepdim=True)
             out.append(target(ids[:, :16], cache, logits="all").logits)
             runs.append((out, cache))
-        (a, ca), (b, cb) = runs
-        same = all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(ca.k, cb.k) and torch.equal(ca.v, cb.v)
-        print(f"{args.quantize}: flat == module path (prefill, 16 decode steps, a 16-token verify): {same}")
+        (a, ca), *others = runs
+        same = all(all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(ca.k, cb.k) and torch.equal(ca.v, cb.v)
+                   for b, cb in others)
+        print(f"{args.quantize}: flat, flat scripted == module path (prefill, 16 decode steps, a 16-token verify): "
+              f"{same}")
         for width in [int(s) for s in args.sizes.split(",")]:
-            times = {False: [], True: []}
-            for i in range(2 * (args.repeats + 5)):
-                target.flat = bool(i % 2)
+            times = {name: [] for name in paths}
+            for i in range(len(paths) * (args.repeats + 5)):
+                name = list(paths)[i % len(paths)]
+                target.flat, target.script = paths[name]
                 cache.crop(128)
                 t0 = time.perf_counter()
                 target(ids[:, :width], cache, logits="all")
-                times[target.flat].append(time.perf_counter() - t0)
+                times[name].append(time.perf_counter() - t0)
             m = {k: statistics.median(v[5:]) * 1e3 for k, v in times.items()}
-            gain = m[False] / m[True] - 1
-            print(f"tokens {width:2d}: module path {m[False]:6.2f} ms, flat {m[True]:6.2f} ms ({gain:+.1%})")
+            base = m["module path"]
+            print(f"tokens {width:2d}: " + ", ".join(
+                f"{k} {v:6.2f} ms" + ("" if k == "module path" else f" ({base / v - 1:+.1%})") for k, v in m.items()))
+        target.flat, target.script = True, True  # the default
         kernels_only(target, cache, args.repeats)
 
 
@@ -69,7 +76,8 @@ def kernels_only(target, cache, repeats: int) -> None:
     calls = []
     for m in target.modules():
         if isinstance(m, Int4Linear):
-            calls.append((m.plain(), torch.randn(1, m.in_features)))
+            calls.append((lambda x, m=m: torch.ops.aten._weight_int4pack_mm_for_cpu(  # what FlatLayers calls
+                x.to(torch.bfloat16), m.weight_int4, m.group_size, m.scales_and_zeros), torch.randn(1, m.in_features)))
         elif isinstance(m, Int8Linear):
             calls.append((m.forward, torch.randn(1, m.in_features)))
         elif isinstance(m, torch.nn.Linear):
@@ -97,7 +105,7 @@ def kernels_only(target, cache, repeats: int) -> None:
             times[fn].append(time.perf_counter() - t0)
     k, s = (statistics.median(times[f][5:]) * 1e3 for f in (kernels, step))
     print(f"{len(calls)} linear kernels + {len(keys)} attention calls alone: {k:.2f} ms; whole decode step "
-          f"(flat): {s:.2f} ms")
+          f"(flat, scripted): {s:.2f} ms")
 
 
 if __name__ == "__main__":
