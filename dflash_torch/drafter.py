@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from . import flat
 from .cache import KVCache
 from .layers import MLP, RMSNorm, attend, attention_mask
 from .rope import Rotary, apply_rotary, rope_parameters
@@ -109,6 +110,85 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class FlatDraft(nn.Module):
+    """A draft pass of one block (batch 1, full-attention layers, stacked context k/v) through exactly the
+    kernels of the drafter's modules, in the same order, from plain tensors (flat.py): the block's hidden
+    states after the final norm, bit for bit what `DFlashDrafter.forward` returns, and the same cache."""
+
+    def __init__(self, d: DFlashDrafter) -> None:
+        super().__init__()
+        a0, m0 = d.layers[0].self_attn, d.layers[0].mlp
+        self.h, self.hkv, self.dh, self.scale = a0.n_heads, a0.n_kv, a0.head_dim, float(a0.scale)
+        self.eps = float(d.norm.eps)
+        self.fc = flat.linear_spec(d.fc)
+        self.hidden_norm, self.final_norm = flat.norm_weight(d.hidden_norm), flat.norm_weight(d.norm)
+        self.ctx_kv_weight, self.ctx_kv_bias = d.ctx_kv_weight, d.ctx_kv_bias
+        self.fused_mlp = m0.gate_up_proj is not None
+        norms, qk_norms, lins = [], [], []
+        for layer in d.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            if (mlp.gate_up_proj is not None) != self.fused_mlp:
+                raise TypeError("no flat path for layers fused differently")
+            norms += [flat.norm_weight(layer.input_layernorm), flat.norm_weight(layer.post_attention_layernorm)]
+            qk_norms += [flat.norm_weight(a.q_norm), flat.norm_weight(a.k_norm)]
+            mlp_in = [mlp.gate_up_proj] if self.fused_mlp else [mlp.gate_proj, mlp.up_proj]
+            lins += [flat.linear_spec(m) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, *mlp_in, mlp.down_proj)]
+        if len({float(n.eps) for layer in d.layers for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                              layer.self_attn.q_norm, layer.self_attn.k_norm)}
+               | {self.eps, float(d.hidden_norm.eps)}) != 1:
+            raise TypeError("no flat path for norms with different eps")
+        self.norms, self.qk_norms, self.lins = norms, qk_norms, lins
+        self.per_layer = len(lins) // len(d.layers)
+        self.act = ("silu", "gelu_pytorch_tanh", "gelu").index(d.config.get("hidden_act", "silu"))
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, q_cos: torch.Tensor, q_sin: torch.Tensor,
+                c_cos: torch.Tensor, c_sin: torch.Tensor, start: int, keys: torch.Tensor,
+                values: torch.Tensor) -> torch.Tensor:
+        # x [T, H] the embedded block; ctx [Tc, F] new tap features at positions start..; cos/sin [T or Tc,
+        # 1, D]; keys/values: the drafter's cache [L, 1, Hkv, S, D] (context, then the block as scratch)
+        t, tc, h, hkv, dh, eps, n = x.shape[0], ctx.shape[0], self.h, self.hkv, self.dh, self.eps, self.per_layer
+        c = flat.rms_norm(flat.linear(ctx, self.fc), self.hidden_norm, eps)  # [Tc, H]
+        kv = F.linear(c, self.ctx_kv_weight, self.ctx_kv_bias).chunk(2 * keys.shape[0], dim=-1)  # k, v per layer
+        q_signed, c_signed = flat.signed(q_sin), flat.signed(c_sin)
+        end = start + tc + t
+        for i in range(keys.shape[0]):
+            ls = self.lins[i * n : (i + 1) * n]
+            k_norm = self.qk_norms[2 * i + 1]
+            y = flat.rms_norm(x, self.norms[2 * i], eps)
+            q = flat.rotate(flat.rms_norm(flat.linear(y, ls[0]).view(t, h, dh), self.qk_norms[2 * i], eps),
+                            q_cos, q_sin, q_signed)  # [T, H, D]
+            k_blk = flat.rotate(flat.rms_norm(flat.linear(y, ls[1]).view(t, hkv, dh), k_norm, eps),
+                                q_cos, q_sin, q_signed)
+            k_ctx = flat.rotate(flat.rms_norm(kv[2 * i].view(tc, hkv, dh), k_norm, eps), c_cos, c_sin, c_signed)
+            layer_k, layer_v = keys[i], values[i]  # [1, Hkv, S, D]
+            layer_k.narrow(2, start, tc).copy_(k_ctx.transpose(0, 1))
+            layer_v.narrow(2, start, tc).copy_(kv[2 * i + 1].view(tc, hkv, dh).transpose(0, 1))
+            layer_k.narrow(2, start + tc, t).copy_(k_blk.transpose(0, 1))
+            layer_v.narrow(2, start + tc, t).copy_(flat.linear(y, ls[2]).view(t, hkv, dh).transpose(0, 1))
+            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), layer_k.narrow(2, 0, end),
+                                               layer_v.narrow(2, 0, end), scale=self.scale, enable_gqa=hkv != h)
+            x = flat.add_linear(x, o[0].transpose(0, 1).reshape(t, h * dh), ls[3])  # o [1, H, T, D]
+            y = flat.rms_norm(x, self.norms[2 * i + 1], eps)
+            if self.fused_mlp:
+                gu = flat.linear(y, ls[4]).chunk(2, dim=-1)
+                gate, up = gu[0], gu[1]
+            else:
+                gate, up = flat.linear(y, ls[4]), flat.linear(y, ls[5])
+            if self.act == 0:
+                gate = F.silu(gate)
+            elif self.act == 1:
+                gate = F.gelu(gate, approximate="tanh")
+            else:
+                gate = F.gelu(gate)
+            x = flat.add_linear(x, gate * up, ls[-1])
+        return flat.rms_norm(x, self.final_norm, eps)
+
+
+# For TorchScript (this file's annotations are strings; lists and Optionals need their types).
+FlatDraft.__annotations__ = {"lins": list[flat.LinearSpec], "norms": list[torch.Tensor],
+                             "qk_norms": list[torch.Tensor], "ctx_kv_bias": torch.Tensor | None}
+
+
 class DFlashDrafter(nn.Module):
     """A DFlash drafter. Build it from a config dict; load one with `load_drafter`."""
 
@@ -136,6 +216,9 @@ class DFlashDrafter(nn.Module):
         # every layer's context k/v projections stacked (fuse_context_kv); not saved with the weights
         self.register_buffer("ctx_kv_weight", None, persistent=False)
         self.register_buffer("ctx_kv_bias", None, persistent=False)
+        self.flat = True  # draft passes through FlatDraft where it applies (same bits; False: the modules)
+        self.script = True  # FlatDraft compiled by TorchScript on a CPU (same bits; False: in Python)
+        self._plan = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -149,7 +232,12 @@ class DFlashDrafter(nn.Module):
         # (quantized layers read back their dequantized weights: the context's k/v match the block's)
         self.ctx_kv_weight = torch.cat([p.weight.detach().to(self.dtype) for p in parts])  # [L * 2 * Hkv * D, H]
         self.ctx_kv_bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+        self._plan = None
         return self
+
+    def _apply(self, fn, recurse=True):
+        self._plan = None  # .to() / .half() may replace tensors the flat plan holds
+        return super()._apply(fn, recurse)
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         """Context keys/values of every draft layer, plus room for one block of scratch."""
@@ -214,8 +302,35 @@ class DFlashDrafter(nn.Module):
         emb = target.embed_tokens(block)
         if self.input_scale != 1.0:
             emb = emb * self.input_scale
-        hidden = self(emb.to(self.dtype), ctx.to(self.dtype), q_pos, ctx_pos, cache)
+        plan = self._flat_plan() if self.flat and block.shape[0] == 1 else None
+        if plan is None:
+            hidden = self(emb.to(self.dtype), ctx.to(self.dtype), q_pos, ctx_pos, cache)
+        else:  # the same kernels as the line above, without the modules around them (flat.py)
+            if start + block.shape[1] > cache.max_len:
+                raise ValueError(f"KV cache overflow: position {start + block.shape[1]} > capacity {cache.max_len}")
+            (q_cos, q_sin), (c_cos, c_sin) = self.rotary(q_pos, self.dtype), self.rotary(ctx_pos, self.dtype)
+            hidden = plan(emb[0].to(self.dtype), ctx[0].to(self.dtype), q_cos[:, None], q_sin[:, None],
+                          c_cos[:, None], c_sin[:, None], cache.length, cache.k, cache.v)[None]  # [1, T, H]
+            cache.length = start
         return self.logits(hidden[:, 1:].to(target.embed_tokens.weight.dtype), target.lm_head)
+
+    def _flat_plan(self) -> nn.Module | None:
+        # FlatDraft for this drafter (built once per script setting), or None where it does not apply:
+        # causal or windowed layers, no stacked context k/v, or a layer type it does not know.
+        if self._plan is None:
+            self._plan = {}
+        if self.script not in self._plan:
+            plan = None
+            attns = [layer.self_attn for layer in self.layers]
+            if self.ctx_kv_weight is not None and not any(a.causal or a.window is not None for a in attns):
+                try:
+                    plan = FlatDraft(self)
+                except TypeError:
+                    plan = None
+            if plan is not None and self.script and self.norm.weight.device.type == "cpu":
+                plan = flat.script(plan)
+            self._plan[self.script] = plan
+        return self._plan[self.script]
 
     def check_target(self, target_config: dict, num_target_layers: int, vocab_size: int) -> None:
         """Fail early, with a message a user can act on, when this drafter cannot serve the target."""

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import flat
 from .cache import KVCache
 from .layers import MLP, RMSNorm, attend, attend_each_query, attention_mask
 from .rope import Rotary, apply_rotary, rope_parameters
@@ -255,17 +256,17 @@ class Model(nn.Module):
             a, mlp = layer.self_attn, layer.mlp
             if (a.qkv_proj is not None) != fused_qkv or (mlp.gate_up_proj is not None) != fused_mlp:
                 raise ValueError("layers fused differently: fuse all or none (quantize.fuse_projections)")
-            norms += [_norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm)]
+            norms += [flat.norm_weight(layer.input_layernorm), flat.norm_weight(layer.post_attention_layernorm)]
             if a.qk_norm:
-                qk_norms += [_norm_weight(a.q_norm), _norm_weight(a.k_norm)]
+                qk_norms += [flat.norm_weight(a.q_norm), flat.norm_weight(a.k_norm)]
             qkv = [a.qkv_proj] if fused_qkv else [a.q_proj, a.k_proj, a.v_proj]
             mlp_in = [mlp.gate_up_proj] if fused_mlp else [mlp.gate_proj, mlp.up_proj]
-            lins += [_linear_spec(m) for m in (*qkv, a.o_proj, *mlp_in, mlp.down_proj)]
+            lins += [flat.linear_spec(m) for m in (*qkv, a.o_proj, *mlp_in, mlp.down_proj)]
         act = ("silu", "gelu_pytorch_tanh", "gelu").index(c.hidden_act)
         layers = FlatLayers(norms, qk_norms, lins, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                             float(c.rms_norm_eps), float(a0.scale), act, fused_qkv, fused_mlp)
         # CPU only: on CUDA TorchScript fuses elementwise operators (other bits), and CUDA graphs serve there
-        return script(layers) if self.script and self.model.embed_tokens.weight.device.type == "cpu" else layers
+        return flat.script(layers) if self.script and self.model.embed_tokens.weight.device.type == "cpu" else layers
 
     def _flat(self, input_ids: torch.Tensor, cache: KVCache, logits: str | None, taps) -> Output:
         # T tokens of one sequence through exactly the kernels of the layer modules above, with their
@@ -302,79 +303,6 @@ class Model(nn.Module):
         return Output(out, hidden)
 
 
-# Linear layers as flat_layers reads them: (kind, weight, scales, bias, group size).
-LINEAR, INT8, INT8_DEQUANT, INT4 = 0, 1, 2, 3
-
-
-def _linear_spec(m: nn.Module) -> tuple:
-    """(kind, weight, scales, bias, group) computing exactly what calling m on a 2-D input computes."""
-    from .quantize import Int4Linear, Int8Linear, int8_fits
-
-    none = torch.empty(0)
-    if type(m) is nn.Linear:
-        return (LINEAR, m.weight, none, m.bias, 0)
-    if isinstance(m, Int4Linear):
-        return (INT4, m.weight_int4, m.scales_and_zeros, m.bias, m.group_size)
-    if isinstance(m, Int8Linear):
-        if m.weight_int8.device.type == "cpu" and int8_fits(m):  # Int8Linear.forward's kernel branch
-            return (INT8, m.weight_int8, m.scale.to(torch.bfloat16), m.bias, 0)
-        return (INT8_DEQUANT, m.weight_int8, m.scale, m.bias, 0)
-    raise TypeError(f"no flat path for {type(m).__name__}")
-
-
-def _norm_weight(m: RMSNorm) -> torch.Tensor:
-    if type(m) is not RMSNorm:
-        raise TypeError(f"no flat path for {type(m).__name__}")
-    return m.weight
-
-
-def _linear(x: torch.Tensor, spec: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, int]) -> torch.Tensor:
-    kind, w, sz, b, group = spec
-    if kind == 0:  # LINEAR (TorchScript reads no globals)
-        return F.linear(x, w, b)
-    if kind == 3:  # INT4: the kernel takes bfloat16 activations (quantize.Int4Linear)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w, group, sz).to(x.dtype)
-    elif kind == 1:  # INT8
-        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), w, sz).to(x.dtype)
-    else:
-        y = F.linear(x, w.to(x.dtype)) * sz.to(x.dtype)
-    if b is not None:
-        y = y + b
-    return y
-
-
-def _add_linear(r: torch.Tensor, x: torch.Tensor, spec: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, int]
-                ) -> torch.Tensor:
-    """r + _linear(x, spec), bit for bit, with a quantized kernel's bfloat16 output added as it is: adding
-    promotes it to r's dtype exactly as the cast back would (one operator fewer)."""
-    kind, w, sz, b, group = spec
-    if b is None and kind == 3:
-        return r + torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w, group, sz)
-    if b is None and kind == 1:
-        return r + torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), w, sz)
-    return r + _linear(x, spec)
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32 and w.dtype == torch.float32:  # RMSNorm.forward's fast path, else its reference
-        return F.rms_norm(x, [w.shape[0]], w, eps)
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return w * x.to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    # rope.apply_rotary for x [T, N, D], cos/sin [T, 1, Dr] (Dr < D: partial rotary). In full, rotate_half(x)
-    # * sin = [-x2, x1] * sin = roll(x) * [-sin1, sin2] (a product's sign is exact): 4 operators, not 6.
-    rd = cos.shape[-1]
-    if rd == x.shape[-1]:
-        return x * cos + x.roll(rd // 2, -1) * signed_sin
-    rot = x[..., :rd]
-    x1, x2 = rot.chunk(2, dim=-1)
-    return torch.cat([rot * cos + torch.cat([-x2, x1], dim=-1) * sin, x[..., rd:]], dim=-1)
-
-
 class FlatLayers(nn.Module):
     """The decoder layers for x [T, H] of one sequence at positions pos.., writing keys/values into the
     cache and attending one query at a time: the same kernels, in the same order, as the layer modules
@@ -394,26 +322,25 @@ class FlatLayers(nn.Module):
         # x [T, H]; cos/sin [T, 1, Dr]; keys/values: the cache [L, 1, Hkv, S, D]
         t, h, hkv, d, eps = x.shape[0], self.h, self.hkv, self.d, self.eps
         nqk, n = (h + hkv) * d, self.per_layer
-        half = cos.shape[-1] // 2
-        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # [T, 1, Dr]
+        signed_sin = flat.signed(sin)  # [T, 1, Dr]
         tapped: list[torch.Tensor] = []
         for i in range(keys.shape[0]):
             ls = self.lins[i * n : (i + 1) * n]
-            y = _rms_norm(x, self.norms[2 * i], eps)
+            y = flat.rms_norm(x, self.norms[2 * i], eps)
             if self.fused_qkv and len(self.qk_norms) == 0:  # q and k heads rotated in one pass, as Attention does
-                qkv = _linear(y, ls[0])  # [T, (H + 2 Hkv) * D]
-                qk = _rotate(qkv[:, :nqk].view(t, h + hkv, d), cos, sin, signed_sin)  # [T, H + Hkv, D]
+                qkv = flat.linear(y, ls[0])  # [T, (H + 2 Hkv) * D]
+                qk = flat.rotate(qkv[:, :nqk].view(t, h + hkv, d), cos, sin, signed_sin)  # [T, H + Hkv, D]
                 q, k, v = qk[:, :h], qk[:, h:], qkv[:, nqk:].view(t, hkv, d)
             else:
                 if self.fused_qkv:
-                    parts = _linear(y, ls[0]).split([h * d, hkv * d, hkv * d], -1)
+                    parts = flat.linear(y, ls[0]).split([h * d, hkv * d, hkv * d], -1)
                     q, k, v = parts[0], parts[1], parts[2]
                 else:
-                    q, k, v = _linear(y, ls[0]), _linear(y, ls[1]), _linear(y, ls[2])
+                    q, k, v = flat.linear(y, ls[0]), flat.linear(y, ls[1]), flat.linear(y, ls[2])
                 q, k, v = q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
                 if len(self.qk_norms) > 0:
-                    q, k = _rms_norm(q, self.qk_norms[2 * i], eps), _rms_norm(k, self.qk_norms[2 * i + 1], eps)
-                q, k = _rotate(q, cos, sin, signed_sin), _rotate(k, cos, sin, signed_sin)
+                    q, k = flat.rms_norm(q, self.qk_norms[2 * i], eps), flat.rms_norm(k, self.qk_norms[2 * i + 1], eps)
+                q, k = flat.rotate(q, cos, sin, signed_sin), flat.rotate(k, cos, sin, signed_sin)
             layer_k, layer_v = keys[i], values[i]  # [1, Hkv, S, D]
             layer_k.narrow(2, pos, t).copy_(k.transpose(0, 1))
             layer_v.narrow(2, pos, t).copy_(v.transpose(0, 1))
@@ -423,20 +350,20 @@ class FlatLayers(nn.Module):
                                                 enable_gqa=hkv != h)
                  for j in range(t)]  # T x [1, H, 1, D]
             attn = o[0].view(1, h * d) if t == 1 else torch.cat(o, dim=2).transpose(1, 2).reshape(t, h * d)
-            x = _add_linear(x, attn, ls[-3] if self.fused_mlp else ls[-4])
-            y = _rms_norm(x, self.norms[2 * i + 1], eps)
+            x = flat.add_linear(x, attn, ls[-3] if self.fused_mlp else ls[-4])
+            y = flat.rms_norm(x, self.norms[2 * i + 1], eps)
             if self.fused_mlp:
-                gu = _linear(y, ls[-2]).chunk(2, dim=-1)
+                gu = flat.linear(y, ls[-2]).chunk(2, dim=-1)
                 gate, up = gu[0], gu[1]
             else:
-                gate, up = _linear(y, ls[-3]), _linear(y, ls[-2])
+                gate, up = flat.linear(y, ls[-3]), flat.linear(y, ls[-2])
             if self.act == 0:
                 gate = F.silu(gate)
             elif self.act == 1:
                 gate = F.gelu(gate, approximate="tanh")
             else:
                 gate = F.gelu(gate)
-            x = _add_linear(x, gate * up, ls[-1])
+            x = flat.add_linear(x, gate * up, ls[-1])
             if i in taps:
                 tapped.append(x)
         return x, tapped
@@ -444,22 +371,8 @@ class FlatLayers(nn.Module):
 
 # For TorchScript, which cannot read string annotations (this file's are) nor infer the type of an empty
 # list or an Optional from a list that holds no None.
-FlatLayers.__annotations__ = {"lins": list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, int]],
+FlatLayers.__annotations__ = {"lins": list[flat.LinearSpec],
                               "norms": list[torch.Tensor], "qk_norms": list[torch.Tensor]}
-
-
-def script(layers: FlatLayers) -> nn.Module:
-    """`layers` compiled by TorchScript: the same operators run from its graph interpreter instead of
-    Python bytecode. TorchScript fuses nothing on CPU, so the bits are the same (tests/test_fast.py);
-    the time is not (docs/performance.md, "A scripted decode step"). `layers` itself where TorchScript
-    cannot compile it."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.jit.script is deprecated in favour of torch.compile
-            return torch.jit.script(layers)
-    except Exception as e:  # no TorchScript in this torch, or no source to compile
-        warnings.warn(f"TorchScript unavailable ({type(e).__name__}): decode steps run in Python", stacklevel=2)
-        return layers
 
 
 def from_config(config: dict) -> Model:

@@ -6,6 +6,7 @@ through the same layers compiled by TorchScript (the default), checks that logit
 bit-identical, then times passes of each width after a 128-token context, taking the three paths in
 turn pass by pass so that all see the same machine load. Last, it times what a decode step cannot do
 without: its linear layers' kernels and its attention calls alone, back to back, nothing around them.
+Then the same three paths for the shipped drafter's draft passes (`drafter.FlatDraft`).
 
     python docs/flat_probe.py --quantize int4
     python docs/flat_probe.py --quantize none    # float32: decode steps only take the flat path
@@ -32,8 +33,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    target = load(None, None, "cpu", "float32", quantize=None if args.quantize == "none" else args.quantize,
-                  quiet=True).target
+    pipe = load(None, "auto", "cpu", "float32", quantize=None if args.quantize == "none" else args.quantize,
+                quiet=True)
+    target = pipe.target
     ids = torch.randint(0, 49152, (1, 128), generator=torch.Generator().manual_seed(0))
     paths = {"module path": (False, False), "flat": (True, False), "flat, scripted": (True, True)}
     with torch.inference_mode():
@@ -68,6 +70,7 @@ def main() -> None:
                 f"{k} {v:6.2f} ms" + ("" if k == "module path" else f" ({base / v - 1:+.1%})") for k, v in m.items()))
         target.flat, target.script = True, True  # the default
         kernels_only(target, cache, args.repeats)
+        draft_passes(pipe, args.repeats)
 
 
 def kernels_only(target, cache, repeats: int) -> None:
@@ -106,6 +109,32 @@ def kernels_only(target, cache, repeats: int) -> None:
     k, s = (statistics.median(times[f][5:]) * 1e3 for f in (kernels, step))
     print(f"{len(calls)} linear kernels + {len(keys)} attention calls alone: {k:.2f} ms; whole decode step "
           f"(flat, scripted): {s:.2f} ms")
+
+
+def draft_passes(pipe, repeats: int) -> None:
+    """Draft passes of the shipped drafter (one new context token after 127, as in a decode loop) through
+    its modules, drafter.FlatDraft in Python, and FlatDraft compiled by TorchScript: equal, and timed."""
+    target, drafter = pipe.target, pipe.drafter
+    paths = {"module path": (False, False), "flat": (True, False), "flat, scripted": (True, True)}
+    ids = torch.randint(0, 49152, (1, 128), generator=torch.Generator().manual_seed(1))
+    cache, dcache = target.new_cache(256), drafter.new_cache(256)
+    feats = target(ids, cache, taps=drafter.target_layer_ids).hidden  # [1, 128, F]
+    drafter.propose(target, ids[:, :2], feats[:, :127], dcache)
+    for width in (2, 4, 16):
+        block = torch.tensor([[5] + [drafter.mask_token_id] * (width - 1)])
+        times, outs = {name: [] for name in paths}, {}
+        for i in range(len(paths) * (repeats + 5)):
+            name = list(paths)[i % len(paths)]
+            drafter.flat, drafter.script = paths[name]
+            dcache.crop(127)
+            t0 = time.perf_counter()
+            outs[name] = drafter.propose(target, block, feats[:, 127:], dcache)
+            times[name].append(time.perf_counter() - t0)
+        same = all(torch.equal(outs["module path"], o) for o in outs.values())
+        m = {k: statistics.median(v[5:]) * 1e3 for k, v in times.items()}
+        base = m["module path"]
+        print(f"draft pass, block {width:2d}: equal {same}; " + ", ".join(
+            f"{k} {v:6.2f} ms" + ("" if k == "module path" else f" ({base / v - 1:+.1%})") for k, v in m.items()))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import torch
 
 from dflash_torch import loading
 from dflash_torch.adaptive import AdaptiveBlockSize, calibrate
-from dflash_torch.drafter import load_drafter
+from dflash_torch.drafter import FlatDraft, load_drafter
 from dflash_torch.quantize import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from dflash_torch.speculative import Stats, generate_tokens
 
@@ -508,3 +508,38 @@ def test_flat_path_falls_back_without_torchscript_or_for_unknown_layers(tiny_mod
             got, _ = _decode_run(target, prompt, 6)
         assert not target.flat
         assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+@pytest.mark.parametrize("quant", [None, "bfloat16", "int8", "int4"])
+def test_flat_draft_pass_equals_module_path(pair, quant):
+    """Draft passes go through drafter.FlatDraft (in Python and compiled by TorchScript): logits and the
+    drafter's cache are bit for bit the modules', over cycles with new context of several lengths."""
+    path, dpath = pair
+    dtype = torch.bfloat16 if quant == "bfloat16" else torch.float32
+    target = _load(path, None if quant == "bfloat16" else quant, dtype)
+    drafter = load_drafter(dpath, dtype=dtype)
+    if quant in ("int8", "int4"):
+        (quantize_int8 if quant == "int8" else quantize_int4)(drafter)
+    drafter.fuse_context_kv()
+    rng = random.Random(3)
+    prompt = [rng.randrange(255) for _ in range(23)]
+    with torch.inference_mode():
+        c = target.new_cache(64)
+        feats = target(torch.tensor([prompt]), c, taps=drafter.target_layer_ids).hidden  # [1, 23, F]
+        runs = []
+        for fast, scripted in ((False, False), (True, False), (True, True)):
+            drafter.flat, drafter.script = fast, scripted
+            dc = drafter.new_cache(64)
+            out, used = [], 0
+            for n_ctx, width in ((17, 8), (1, 2), (3, 5), (2, 8)):  # new context tokens, block width
+                block = torch.tensor([[prompt[used + n_ctx - 1]] + [drafter.mask_token_id] * (width - 1)])
+                out.append(drafter.propose(target, block, feats[:, used : used + n_ctx], dc))
+                used += n_ctx
+            runs.append((out, dc))
+        assert isinstance(drafter._plan[True], torch.jit.ScriptModule)  # the scripted draft pass ran
+        assert isinstance(drafter._plan[False], FlatDraft)  # and the flat one in Python
+        (want, c1), *others = runs
+        for got, c2 in others:
+            assert all(torch.equal(a, b) for a, b in zip(want, got))
+            assert c1.length == c2.length == 23
+            assert torch.equal(c1.k[:, :, :, :23], c2.k[:, :, :, :23]) and torch.equal(c1.v[:, :, :, :23], c2.v[:, :, :, :23])
