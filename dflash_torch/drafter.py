@@ -43,6 +43,44 @@ def dflash_value(config: dict, name: str, default=None):
     return (config.get("dflash_config") or {}).get(name, config.get(name, default))
 
 
+class Blocks:
+    """Training blocks laid out for attention block by block (an `extra_mask` for `DFlashDrafter.forward`).
+
+    A training pass concatenates n blocks of B positions from several sequences, with all their context
+    features. A dense mask over [n * B, context + n * B] scores every block against every context token
+    and every other block, and hides most of it again: with 4 sequences of 32 blocks, about 95% of the
+    scores. Here each block attends only to its own context (the first `ctx_len[i]` context rows from
+    `ctx_start[i]`: its sequence's tokens before its anchor) and to its own B positions, bidirectionally,
+    which is what the dense mask allows (`train.make_batch`; tests/test_train.py checks the two agree).
+    Full-attention layers only (the published drafters'); causal or windowed layers take the dense mask.
+    """
+
+    def __init__(self, ctx_start: torch.Tensor, ctx_len: torch.Tensor, block_size: int) -> None:
+        n_ctx = int(ctx_len.max()) if len(ctx_len) else 0
+        span = torch.arange(n_ctx, device=ctx_start.device)
+        self.valid = span[None] < ctx_len[:, None]  # [n, Lmax]
+        self.index = torch.where(self.valid, ctx_start[:, None] + span[None], 0)  # [n, Lmax] context rows
+        self.block_size = block_size
+
+    def attend(self, q, k_blk, v_blk, k_ctx, v_ctx, scale: float) -> torch.Tensor:
+        """q [1, H, n * B, D], block k/v [1, Hkv, n * B, D], context k/v [1, Hkv, Tc, D] -> [1, n * B, H * D]."""
+        _, h, t, d = q.shape
+        hkv, n, bs = k_blk.shape[1], t // self.block_size, self.block_size
+
+        def per_block(x):  # [1, heads, n * B, D] -> [n, heads, B, D]
+            return x[0].view(x.shape[1], n, bs, d).transpose(0, 1)
+
+        def context(x):  # [1, Hkv, Tc, D] -> [n, Hkv, Lmax, D]: each block's own context rows
+            return x[0][:, self.index].transpose(0, 1)
+
+        k = torch.cat([context(k_ctx), per_block(k_blk)], dim=2)  # [n, Hkv, Lmax + B, D]
+        v = torch.cat([context(v_ctx), per_block(v_blk)], dim=2)
+        mask = torch.cat([self.valid, self.valid.new_ones(n, bs)], dim=1)[:, None, None]  # [n, 1, 1, Lmax + B]
+        out = F.scaled_dot_product_attention(per_block(q), k, v, attn_mask=mask, scale=scale,
+                                             enable_gqa=hkv != h)  # [n, H, B, D]
+        return out.transpose(1, 2).reshape(1, t, h * d)
+
+
 class DraftAttention(nn.Module):
     def __init__(self, c: dict, layer: int) -> None:
         super().__init__()
@@ -79,6 +117,10 @@ class DraftAttention(nn.Module):
         k_blk, v_blk = self.kv(self.k_proj(x), self.v_proj(x), *q_rope)
         # ctx_kv: this layer's context k/v projections, when the drafter made all layers' in one matmul
         k_ctx, v_ctx = self.kv(*(ctx_kv or (self.k_proj(ctx), self.v_proj(ctx))), *ctx_rope)
+        if isinstance(extra_mask, Blocks):  # training: each block against its own context only
+            if self.causal or self.window is not None:
+                raise ValueError("Blocks serve full-attention draft layers; give this one the dense mask")
+            return self.o_proj(extra_mask.attend(q, k_blk, v_blk, k_ctx, v_ctx, self.scale))
         if cache is not None:
             # Context keys are kept for later cycles; the block's go into the scratch slots right after
             # them and are overwritten next cycle (the cache length never covers them).

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from . import data as dataset
 from . import loading, registry
-from .drafter import DFlashDrafter, load_drafter, num_params
+from .drafter import Blocks, DFlashDrafter, load_drafter, num_params
 
 # --- the drafter ----------------------------------------------------------------------------------
 
@@ -120,11 +120,13 @@ def make_batch(
     """Blocks at random anchors inside the replies of `seqs` random records, as one concatenated pass.
 
     Returns ctx [1, Tc, F] features, ctx_pos [Tc], block [1, Tq] token ids, q_pos [Tq],
-    mask [Tq, Tc + Tq] (True = may attend), labels [n_blocks, B - 1] (-100 past a reply's end).
+    mask [Tq, Tc + Tq] (True = may attend), labels [n_blocks, B - 1] (-100 past a reply's end), and
+    ctx_start / ctx_len [n_blocks]: each block's context rows, the same visibility as the mask's.
     """
     B = block_size
     idx = torch.randint(len(records), (seqs,), generator=gen).tolist()
     ctx_rows, ctx_pos, ctx_seq, blocks, q_pos, q_seq, q_anchor, labels = [], [], [], [], [], [], [], []
+    ctx_start, offset = [], 0  # per block: where its sequence's context rows begin
     for s, i in enumerate(idx):
         r = records[i]
         toks = r["prompt_ids"] + r["response_ids"]
@@ -146,7 +148,9 @@ def make_batch(
             q_pos.append(torch.arange(a, a + B))
             q_seq.append(s)
             q_anchor.append(a)
+            ctx_start.append(offset)
             labels.append(tt[a + 1 : a + B])
+        offset += last
     rows = torch.cat(ctx_rows)
     ctx = feats[rows][:, cols].unsqueeze(0)  # [1, Tc, F]
     ctx_pos_t, ctx_seq_t = torch.cat(ctx_pos), torch.cat(ctx_seq)
@@ -159,6 +163,8 @@ def make_batch(
     return {
         "ctx": ctx, "ctx_pos": ctx_pos_t, "block": torch.stack(blocks).view(1, -1), "q_pos": torch.cat(q_pos),
         "mask": torch.cat([see_ctx, see_blk], dim=1), "labels": torch.stack(labels),
+        # the same visibility block by block (drafter.Blocks): context rows [start, start + anchor)
+        "ctx_start": torch.tensor(ctx_start), "ctx_len": torch.tensor(q_anchor),
     }
 
 
@@ -168,19 +174,24 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 def block_logits(
-    model, drafter: DFlashDrafter, target, batch: dict, device, positions: int | None = None
+    model, drafter: DFlashDrafter, target, batch: dict, device, positions: int | None = None, dense: bool = False,
 ) -> torch.Tensor:
     """Draft logits [n_blocks, K, V] at block positions 1..K (K = `positions`, default B - 1) for a
     batch (`model` is the drafter or its DDP wrapper). The LM head is most of a step's cost, so K < B - 1
-    trains faster at the price of untrained late positions (the block itself stays B wide)."""
+    trains faster at the price of untrained late positions (the block itself stays B wide). Blocks attend
+    block by block (`drafter.Blocks`); `dense` takes the batch's dense mask instead (the reference)."""
     B = drafter.block_size
     with torch.no_grad():
         emb = target.embed_tokens(batch["block"].to(device))  # frozen, shared
         if drafter.input_scale != 1.0:
             emb = emb * drafter.input_scale
+    if dense or any(layer.self_attn.causal or layer.self_attn.window is not None for layer in drafter.layers):
+        mask = batch["mask"].to(device)  # [Tq, Tc + Tq]: the reference
+    else:  # the same visibility, scored block by block (most of the dense mask's scores are hidden)
+        mask = Blocks(batch["ctx_start"].to(device), batch["ctx_len"].to(device), B)
     hidden = model(
         emb, batch["ctx"].to(device, torch.float32), batch["q_pos"].to(device), batch["ctx_pos"].to(device),
-        extra_mask=batch["mask"].to(device),
+        extra_mask=mask,
     )  # [1, Tq, H]
     k = positions or B - 1
     hidden = hidden.view(-1, B, hidden.shape[-1])[:, 1 : 1 + k]  # [n_blocks, K, H]

@@ -130,6 +130,33 @@ def test_reference_implementation_parity(tiny_data, tmp_path):
     torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-5)
 
 
+def test_block_by_block_attention_equals_the_dense_mask(tiny_data):
+    """Training passes score each block against its own context only (drafter.Blocks); logits and
+    gradients equal those of the dense mask over all blocks of several sequences."""
+    target_dir, out = tiny_data
+    records, feats, meta = data.load_shards(out)
+    target = loading.load_target(target_dir, torch.device("cpu"), torch.float32)
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    cfg = train.drafter_config(tcfg, layers=2, taps=meta["taps"], block_size=8, mask_token_id=255, name="t")
+    drafter = train.DFlashDrafter(cfg)
+    train.init_random(drafter, target, seed=2, norm_scale=1.0)
+    cols = torch.arange(feats.shape[1])
+    b = train.make_batch(records, feats, cols, torch.Generator().manual_seed(4), seqs=4, anchors=5, block_size=8,
+                         mask_token_id=255)
+    assert len(set(b["ctx_start"].tolist())) >= 3  # blocks of several sequences in one pass
+    runs = []
+    for dense in (True, False):
+        drafter.zero_grad()
+        logits = train.block_logits(drafter, drafter, target, b, torch.device("cpu"), dense=dense)
+        loss, _ = train.block_loss(logits, b["labels"], train.position_weights(8, 7.0))
+        loss.backward()
+        runs.append((logits.detach(), {k: p.grad.clone() for k, p in drafter.named_parameters()}))
+    (want, want_grads), (got, got_grads) = runs
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for k in want_grads:
+        torch.testing.assert_close(got_grads[k], want_grads[k], rtol=1e-4, atol=1e-6)
+
+
 def test_training_blocks_equal_inference_drafts(tiny_data):
     """The training objective scores exactly what the speculative loop drafts: the logits of a batch's
     blocks equal `propose` at the same anchors, with the context fed to the drafter's cache in chunks
