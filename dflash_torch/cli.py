@@ -169,6 +169,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     print(f"python {platform.python_version()} on {platform.machine()}, torch {torch.__version__}")
     print(f"threads: {torch.get_num_threads()}, cuda: {torch.cuda.is_available()}")
+    from . import flat
+
+    probe = flat.script(torch.nn.Identity())  # what decode steps get on a CPU (warns if it cannot compile)
+    print(f"torchscript (flat decode and draft passes on CPU): "
+          f"{'available' if isinstance(probe, torch.jit.ScriptModule) else 'unavailable: Python flat path'}")
     try:
         print(f"default model GGUF: {loading.default_gguf()}")
     except loading.ModelError as e:
