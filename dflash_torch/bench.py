@@ -484,6 +484,7 @@ def machine_info(pipe) -> dict:
         "device": str(pipe.device),
         "dtype": str(pipe.dtype).removeprefix("torch."),
         "quantize": getattr(pipe, "quantize", None),
+        "lm_head": getattr(pipe, "lm_head", None),
         "cuda_graphs": getattr(pipe.target, "use_graphs", False),  # a cudagraph.GraphedTarget
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -740,6 +741,8 @@ def _title(results: dict) -> str:
     m, s = results["machine"], results["settings"]
     mode = "greedy" if s["sampling"]["temperature"] == 0 else f"temperature {s['sampling']['temperature']}"
     weights = f", {m['quantize']} weights" if m.get("quantize") else ""
+    if m.get("quantize") and m.get("lm_head") != m["quantize"]:
+        weights += f", LM head {m.get('lm_head') or 'not quantized'}"
     return (f"{results['model']['name']} on {m['device']} ({m['dtype']}{weights}), {mode}, "
             f"median of {s['repeats']} repeat(s)")
 

@@ -37,6 +37,7 @@ class Pipeline:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
     quantize: str | None = None  # "int8" / "int4": the target's and drafter's linear layers, weight-only
+    lm_head: str | None = None  # the target's LM head: "int8" / "int4", None = as loaded
 
     @property
     def max_context(self) -> int:
@@ -132,7 +133,7 @@ def load(
     name = model or loading.DEFAULT_MODEL_NAME
     pipe = Pipeline(
         target=target, tokenizer=tokenizer, stop_token_ids=loading.stop_token_ids(path, tokenizer),
-        model_path=path, name=name, device=dev, dtype=dt, quantize=quantize,
+        model_path=path, name=name, device=dev, dtype=dt, quantize=quantize, lm_head=head if quantize else None,
     )
     draft_spec = registry.drafter_for(name, config) if draft == "auto" else draft
     if draft == "auto" and draft_spec is None and not quiet:

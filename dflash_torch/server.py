@@ -625,7 +625,7 @@ class Engine:
         log.info("dflash serve: drafter %s; fallback %s; adaptive block size %s; fastpath %s", drafter,
                  "on" if c.fallback and p.drafter else "off", adaptive, fastpath)
         log.info("dflash serve: device %s, dtype %s, weights %s, queue %d, prefix cache %s", p.device,
-                 str(p.dtype).removeprefix("torch."), p.quantize or "not quantized", c.max_queue, prefix)
+                 str(p.dtype).removeprefix("torch."), _weights(p), c.max_queue, prefix)
         log.info("dflash serve: ready on http://%s:%d (OpenAI API under /v1; /health, /metrics)", c.host, c.port)
 
     def _run(self, job: Job) -> None:
@@ -903,6 +903,14 @@ async def read_json(request, limit: int) -> dict:
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
     return body
+
+
+def _weights(pipe) -> str:
+    """The weight format for the start-up log: "int4", "int4, LM head int8", "not quantized"."""
+    if not pipe.quantize:
+        return "not quantized"
+    head = getattr(pipe, "lm_head", pipe.quantize)
+    return pipe.quantize if head == pipe.quantize else f"{pipe.quantize}, LM head {head or 'not quantized'}"
 
 
 def _sse(data: dict | str) -> str:

@@ -272,7 +272,7 @@ def test_default_model_generates_text(tmp_path, monkeypatch, capsys):
     from dflash_torch.quantize import Int4Linear, Int8Linear
 
     auto = load(None, None, "cpu", quiet=True, quantize="auto")
-    assert auto.quantize == "int4" and isinstance(auto.target.lm_head, Int8Linear)
+    assert auto.quantize == "int4" and auto.lm_head == "int8" and isinstance(auto.target.lm_head, Int8Linear)
     assert isinstance(auto.target.model.layers[0].mlp.down_proj, Int4Linear)
     assert isinstance(load(None, None, "cpu", quiet=True, quantize="int4").target.lm_head, Int4Linear)
     assert load(None, None, "cpu", quiet=True, quantize="none").quantize is None
