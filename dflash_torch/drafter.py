@@ -181,7 +181,7 @@ class FlatDraft(nn.Module):
             raise TypeError("no flat path for norms with different eps")
         self.norms, self.qk_norms, self.lins = norms, qk_norms, lins
         self.per_layer = len(lins) // len(d.layers)
-        self.act = ("silu", "gelu_pytorch_tanh", "gelu").index(d.config.get("hidden_act", "silu"))
+        self.act = flat.ACTIVATIONS.index(d.config.get("hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, q_cos: torch.Tensor, q_sin: torch.Tensor,
                 c_cos: torch.Tensor, c_sin: torch.Tensor, start: int, keys: torch.Tensor,
@@ -211,18 +211,7 @@ class FlatDraft(nn.Module):
                                                layer_v.narrow(2, 0, end), scale=self.scale, enable_gqa=hkv != h)
             x = flat.add_linear(x, o[0].transpose(0, 1).reshape(t, h * dh), ls[3])  # o [1, H, T, D]
             y = flat.rms_norm(x, self.norms[2 * i + 1], eps)
-            if self.fused_mlp:
-                gu = flat.linear(y, ls[4]).chunk(2, dim=-1)
-                gate, up = gu[0], gu[1]
-            else:
-                gate, up = flat.linear(y, ls[4]), flat.linear(y, ls[5])
-            if self.act == 0:
-                gate = F.silu(gate)
-            elif self.act == 1:
-                gate = F.gelu(gate, approximate="tanh")
-            else:
-                gate = F.gelu(gate)
-            x = flat.add_linear(x, gate * up, ls[-1])
+            x = flat.add_mlp(x, y, ls[4:5] if self.fused_mlp else ls[4:6], ls[-1], self.act)
         return flat.rms_norm(x, self.final_norm, eps)
 
 

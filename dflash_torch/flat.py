@@ -93,6 +93,26 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed_sin: to
     return torch.cat([rot * cos + torch.cat([-x2, x1], dim=-1) * sin, x[..., rd:]], dim=-1)
 
 
+def add_mlp(r: torch.Tensor, y: torch.Tensor, ins: list[LinearSpec], down: LinearSpec, act: int) -> torch.Tensor:
+    """r + down(act(gate(y)) * up(y)) as layers.MLP computes it; ins: [gate_up] fused, or [gate, up].
+    act: 0 silu, 1 gelu (tanh), 2 gelu."""
+    if len(ins) == 1:
+        gu = linear(y, ins[0]).chunk(2, dim=-1)
+        gate, up = gu[0], gu[1]
+    else:
+        gate, up = linear(y, ins[0]), linear(y, ins[1])
+    if act == 0:
+        gate = F.silu(gate)
+    elif act == 1:
+        gate = F.gelu(gate, approximate="tanh")
+    else:
+        gate = F.gelu(gate)
+    return add_linear(r, gate * up, down)
+
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # add_mlp's act codes
+
+
 def signed(sin: torch.Tensor) -> torch.Tensor:
     """[-sin1, sin2] for `rotate` (sin [T, 1, Dr])."""
     half = sin.shape[-1] // 2

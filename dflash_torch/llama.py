@@ -262,7 +262,7 @@ class Model(nn.Module):
             qkv = [a.qkv_proj] if fused_qkv else [a.q_proj, a.k_proj, a.v_proj]
             mlp_in = [mlp.gate_up_proj] if fused_mlp else [mlp.gate_proj, mlp.up_proj]
             lins += [flat.linear_spec(m) for m in (*qkv, a.o_proj, *mlp_in, mlp.down_proj)]
-        act = ("silu", "gelu_pytorch_tanh", "gelu").index(c.hidden_act)
+        act = flat.ACTIVATIONS.index(c.hidden_act)
         layers = FlatLayers(norms, qk_norms, lins, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                             float(c.rms_norm_eps), float(a0.scale), act, fused_qkv, fused_mlp)
         # CPU only: on CUDA TorchScript fuses elementwise operators (other bits), and CUDA graphs serve there
@@ -352,18 +352,7 @@ class FlatLayers(nn.Module):
             attn = o[0].view(1, h * d) if t == 1 else torch.cat(o, dim=2).transpose(1, 2).reshape(t, h * d)
             x = flat.add_linear(x, attn, ls[-3] if self.fused_mlp else ls[-4])
             y = flat.rms_norm(x, self.norms[2 * i + 1], eps)
-            if self.fused_mlp:
-                gu = flat.linear(y, ls[-2]).chunk(2, dim=-1)
-                gate, up = gu[0], gu[1]
-            else:
-                gate, up = flat.linear(y, ls[-3]), flat.linear(y, ls[-2])
-            if self.act == 0:
-                gate = F.silu(gate)
-            elif self.act == 1:
-                gate = F.gelu(gate, approximate="tanh")
-            else:
-                gate = F.gelu(gate)
-            x = flat.add_linear(x, gate * up, ls[-1])
+            x = flat.add_mlp(x, y, ls[-2:-1] if self.fused_mlp else ls[-3:-1], ls[-1], self.act)
             if i in taps:
                 tapped.append(x)
         return x, tapped

@@ -542,4 +542,5 @@ def test_flat_draft_pass_equals_module_path(pair, quant):
         for got, c2 in others:
             assert all(torch.equal(a, b) for a, b in zip(want, got))
             assert c1.length == c2.length == 23
-            assert torch.equal(c1.k[:, :, :, :23], c2.k[:, :, :, :23]) and torch.equal(c1.v[:, :, :, :23], c2.v[:, :, :, :23])
+            assert torch.equal(c1.k[:, :, :, :23], c2.k[:, :, :, :23])
+            assert torch.equal(c1.v[:, :, :, :23], c2.v[:, :, :, :23])

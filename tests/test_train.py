@@ -130,16 +130,22 @@ def test_reference_implementation_parity(tiny_data, tmp_path):
     torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_block_by_block_attention_equals_the_dense_mask(tiny_data):
-    """Training passes score each block against its own context only (drafter.Blocks); logits and
-    gradients equal those of the dense mask over all blocks of several sequences."""
+def _random_drafter(tiny_data, seed: int):
+    """The tiny data's records and features, its target, and a random 2-layer drafter (block 8) for it."""
     target_dir, out = tiny_data
     records, feats, meta = data.load_shards(out)
     target = loading.load_target(target_dir, torch.device("cpu"), torch.float32)
     tcfg = json.loads((target_dir / "config.json").read_text())
     cfg = train.drafter_config(tcfg, layers=2, taps=meta["taps"], block_size=8, mask_token_id=255, name="t")
     drafter = train.DFlashDrafter(cfg)
-    train.init_random(drafter, target, seed=2, norm_scale=1.0)
+    train.init_random(drafter, target, seed=seed, norm_scale=1.0)
+    return records, feats, target, drafter
+
+
+def test_block_by_block_attention_equals_the_dense_mask(tiny_data):
+    """Training passes score each block against its own context only (drafter.Blocks); logits and
+    gradients equal those of the dense mask over all blocks of several sequences."""
+    records, feats, target, drafter = _random_drafter(tiny_data, seed=2)
     cols = torch.arange(feats.shape[1])
     b = train.make_batch(records, feats, cols, torch.Generator().manual_seed(4), seqs=4, anchors=5, block_size=8,
                          mask_token_id=255)
@@ -161,13 +167,7 @@ def test_training_blocks_equal_inference_drafts(tiny_data):
     """The training objective scores exactly what the speculative loop drafts: the logits of a batch's
     blocks equal `propose` at the same anchors, with the context fed to the drafter's cache in chunks
     as the loop does (prefill, then accepted tokens per cycle)."""
-    target_dir, out = tiny_data
-    records, feats, meta = data.load_shards(out)
-    target = loading.load_target(target_dir, torch.device("cpu"), torch.float32)
-    tcfg = json.loads((target_dir / "config.json").read_text())
-    cfg = train.drafter_config(tcfg, layers=2, taps=meta["taps"], block_size=8, mask_token_id=255, name="t")
-    drafter = train.DFlashDrafter(cfg)
-    train.init_random(drafter, target, seed=1, norm_scale=1.0)
+    records, feats, target, drafter = _random_drafter(tiny_data, seed=1)
     drafter.eval()
     rec = max(records, key=lambda r: len(r["response_ids"]))
     g = torch.Generator().manual_seed(0)
