@@ -594,6 +594,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "block_size": args.block_size, "limit": args.limit, "peers": peers, "peers_skipped": peer_skips,
             "lookup": engines[-1] == "dflash" and (pipe.drafter is not None if args.lookup is None else args.lookup),
             "fallback": args.fallback, "adaptive": args.adaptive, "prefill_step_size": args.prefill_step_size,
+            "peer_interleave": bool(getattr(args, "peer_interleave", False)),
             "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                          "min_p": args.min_p, "seed": args.seed},
             "peer_sampling": "greedy",
@@ -609,6 +610,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     first, warm_n = warmup_request(rows)
     for engine in engines:
         run_ours(pipe, first, warm_n, engine == "dflash", args)
+    interleaved = []  # --peer-interleave: the peers' runners, used prompt by prompt right after ours
+    if peer_engines and getattr(args, "peer_interleave", False):
+        interleaved = peer_runners(pipe, rows, runnable_peers, gguf, args)
 
     greedy = args.temperature == 0
     for row in rows:
@@ -617,7 +621,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         reset_peak_memory(pipe.device)
         outputs: dict[str, list[list[int]]] = {e: [] for e in engines}
         for _ in range(args.repeats):
-            for engine in engines:
+            for engine in [*engines, *(name for name, _fn in interleaved)]:
                 row.timings.setdefault(engine, []).append([])
             for _p, ids in row.prompts:
                 for engine in engines:
@@ -631,6 +635,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     speed = max(timing.tokens - 1, 0) / max(timing.decode_s, 1e-9)
                     bar.set_postfix_str(f"{timing.tokens} tok, {speed:.1f} tok/s")
                     bar.update()
+                for engine, fn in interleaved:  # --peer-interleave: the same prompt, right after ours
+                    bar.set_description(f"{row.suite} {row.max_tokens} {engine}")
+                    row.timings[engine][-1].append(fn(ids, row.max_tokens))
+                    bar.update()
         row.peak_memory_mb = peak_memory_mb(pipe.device)
         if "dflash" in engines and greedy:  # greedy DFlash is lossless: a mismatch is a bug worth surfacing
             row.outputs_match = outputs["baseline"] == outputs["dflash"]
@@ -640,7 +648,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if out_dir:  # partial results survive an interrupted long run
             write_json(out_dir, results)
 
-    if peer_engines:
+    if peer_engines and not interleaved:
         run_peers(pipe, rows, runnable_peers, gguf, args, bar, log)
     bar.close()
     results["runs"] = [r.to_dict() for r in rows if r.timings]
@@ -670,8 +678,8 @@ def warmup_request(rows: list[Row]) -> tuple[list[int], int]:
     return row.prompts[0][1], min(WARMUP_TOKENS, row.max_tokens)
 
 
-def run_peers(pipe, rows: list[Row], peers: list[str], gguf: Path | None, args, bar, log) -> None:
-    """The same prompts through the peer engines (after ours, so their weights were not resident then)."""
+def peer_runners(pipe, rows: list[Row], peers: list[str], gguf: Path | None, args) -> list[tuple]:
+    """[(engine, run(ids, max_tokens) -> Timing)] for the peers, loaded and warmed up (not counted)."""
     import torch
 
     runners = []
@@ -686,6 +694,12 @@ def run_peers(pipe, rows: list[Row], peers: list[str], gguf: Path | None, args, 
     first, warm_n = warmup_request(rows)
     for _, fn in runners:  # warm-up, not counted
         fn(first, warm_n)
+    return runners
+
+
+def run_peers(pipe, rows: list[Row], peers: list[str], gguf: Path | None, args, bar, log) -> None:
+    """The same prompts through the peer engines (after ours, so their weights were not resident then)."""
+    runners = peer_runners(pipe, rows, peers, gguf, args)
     for row in rows:
         if not row.prompts:
             continue
@@ -923,6 +937,10 @@ def add_parser(sub) -> None:
                    help="DFlash runs use the target-only fallback of generate and serve (default: off)")
     b.add_argument("--peer", action="append", default=None, metavar="hf|llamacpp",
                    help="also run a peer engine on the same prompts (repeatable or comma-separated)")
+    b.add_argument("--peer-interleave", action="store_true",
+                   help="run the peers prompt by prompt right after ours, so that a row's engines see the same "
+                        "machine load (default: after all of ours; interleaved, the peak memory column also "
+                        "counts the peers, which then live in the same process)")
     _sampling_args(b)
     flags = [(tuple(a.option_strings) if isinstance(a, argparse.BooleanOptionalAction) else a.option_strings[-1],
               a.dest, a.nargs == 0) for a in b._actions if a.option_strings and a.dest != "help"]

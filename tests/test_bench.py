@@ -113,6 +113,25 @@ def test_bench_baseline_only_with_hf_peer(zlab, tmp_path, capsys):
         assert "llamacpp" in data["settings"]["peers_skipped"] and r["llamacpp_tok_s"] is None
 
 
+def test_bench_peer_interleave(zlab, tmp_path, capsys, monkeypatch):
+    """--peer-interleave runs the peers prompt by prompt right after ours (same machine load per row)."""
+    calls = []
+    ours, hf = bench.run_ours, bench.HFPeer.run
+    monkeypatch.setattr(bench, "run_ours", lambda *a, **k: calls.append("ours") or ours(*a, **k))
+    monkeypatch.setattr(bench.HFPeer, "run", lambda self, *a, **k: calls.append("hf") or hf(self, *a, **k))
+    prompts = write_id_prompts(tmp_path / "ids.jsonl", n=2)
+    rc, data, err = run_cli(capsys, [
+        "bench", "--model", str(zlab / "target"), "--no-draft", "--prompts", str(prompts), "--max-tokens", "6",
+        "--repeats", "2", "--peer", "hf", "--peer-interleave", "--json",
+    ])
+    assert rc == 0, err
+    assert data["settings"]["peer_interleave"] is True
+    (r,) = data["runs"]
+    assert r["baseline_tok_s"] > 0 and r["hf_tok_s"] > 0 and r["hf_prompt_lookup_tok_s"] > 0
+    # warm-ups (ours, then both hf runs), then each prompt of each repeat: ours, then hf and hf prompt lookup
+    assert calls == ["ours", "hf", "hf"] + ["ours", "hf", "hf"] * 4
+
+
 def test_bench_sampling(zlab, tmp_path, capsys):
     prompts = write_id_prompts(tmp_path / "ids.jsonl", n=1)
     rc, data, err = run_cli(capsys, [
