@@ -107,8 +107,7 @@ def load(
     if quantize == "auto":
         quantize, head = loading.auto_quantize(config, dev)
         if quantize and not quiet:
-            types = {k: v for k, v in config["gguf_weight_types"].items() if k != "head"}
-            stored, stored_head = max(types, key=types.get), config["gguf_weight_types"].get("head")
+            stored, stored_head = loading.stored_types(config)
             print(f"dflash: {quantize} weights, LM head {head or 'not quantized'} (the GGUF file stores "
                   f"{stored}, its LM head {stored_head}; --quantize none for float32)", file=sys.stderr)
     elif quantize == "none":

@@ -255,7 +255,7 @@ class Model(nn.Module):
         for layer in layers:
             a, mlp = layer.self_attn, layer.mlp
             if (a.qkv_proj is not None) != fused_qkv or (mlp.gate_up_proj is not None) != fused_mlp:
-                raise ValueError("layers fused differently: fuse all or none (quantize.fuse_projections)")
+                raise TypeError("no flat path for layers fused differently (quantize.fuse_projections)")
             norms += [flat.norm_weight(layer.input_layernorm), flat.norm_weight(layer.post_attention_layernorm)]
             if a.qk_norm:
                 qk_norms += [flat.norm_weight(a.q_norm), flat.norm_weight(a.k_norm)]

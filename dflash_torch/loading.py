@@ -217,12 +217,18 @@ def auto_quantize(config: dict, device: torch.device) -> tuple[str | None, str |
     stores in 4 bits or fewer, int8 for 5 to 8 bits, full precision for the rest, so the weights read back
     at about their stored precision and several times faster than float32 (docs/performance.md). (None,
     None) for other models and devices."""
+    layers, head = stored_types(config)
+    if device.type != "cpu" or layers is None:
+        return None, None
+    layers = _kernel_for(layers)
+    return layers, _kernel_for(head) if layers else None
+
+
+def stored_types(config: dict) -> tuple[str | None, str | None]:
+    """(the GGUF type most layer matrices use, the LM head's), as recorded at conversion; Nones otherwise."""
     types = dict(config.get("gguf_weight_types") or {})
     head = types.pop("head", None)
-    if device.type != "cpu" or not types:
-        return None, None
-    layers = _kernel_for(max(types, key=types.get))  # the type most layer matrices use
-    return layers, _kernel_for(head) if layers else None
+    return (max(types, key=types.get) if types else None), head
 
 
 # --- loading ------------------------------------------------------------------------------------

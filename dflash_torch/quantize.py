@@ -16,8 +16,6 @@ LM head is replaced by a quantized copy.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -197,9 +195,9 @@ def quantize_int8(model: nn.Module, fuse: bool = True, head: str | None = "int8"
     keep the LM head as it is."""
     if fuse:
         fuse_projections(model, fits=int8_fits)
-    with _head_apart(model, head, "int8"):
-        _replace_linears(model, lambda lin: Int8Linear(lin) if int8_fits(lin) else None)
-    return exact_verify(model)
+    apart = _head_apart(model, head, "int8")
+    _replace_linears(model, lambda lin: Int8Linear(lin) if lin is not apart and int8_fits(lin) else None)
+    return exact_verify(_set_head(model, apart, head))
 
 
 def quantize_int4(model: nn.Module, group_size: int = INT4_GROUP_SIZE, fuse: bool = True,
@@ -211,23 +209,22 @@ def quantize_int4(model: nn.Module, group_size: int = INT4_GROUP_SIZE, fuse: boo
     keep the LM head as it is."""
     if fuse:
         fuse_projections(model, fits=lambda lin: int4_fits(lin, group_size))
-    with _head_apart(model, head, "int4"):
-        _replace_linears(model, lambda lin: Int4Linear(lin, group_size) if int4_fits(lin, group_size) else None)
-    return exact_verify(model)
+    apart = _head_apart(model, head, "int4")
+    _replace_linears(model, lambda lin: Int4Linear(lin, group_size)
+                     if lin is not apart and int4_fits(lin, group_size) else None)
+    return exact_verify(_set_head(model, apart, head))
 
 
-@contextlib.contextmanager
-def _head_apart(model: nn.Module, head: str | None, same: str):
-    """Keep the LM head out of the layer swap inside the block, then make it `head` (same: as the rest)."""
+def _head_apart(model: nn.Module, head: str | None, same: str) -> nn.Linear | None:
+    """The LM head when it takes another format than the other layers (`same`): left out of their swap."""
+    if head not in (same, "int8", None):
+        raise ValueError(f"unknown LM head format {head!r} (choose {same}, int8 or None)")
     lm = getattr(model, "lm_head", None)
-    if head == same or not isinstance(lm, nn.Linear):
-        yield
-        return
-    if head not in ("int8", None):
-        raise ValueError(f"unknown LM head format {head!r}")
-    del model.lm_head
-    try:
-        yield
-    finally:
-        model.lm_head = Int8Linear(lm) if head == "int8" and int8_fits(lm) else lm
+    return lm if head != same and isinstance(lm, nn.Linear) else None
+
+
+def _set_head(model: nn.Module, apart: nn.Linear | None, head: str | None) -> nn.Module:
+    if apart is not None and head == "int8" and int8_fits(apart):
+        model.lm_head = Int8Linear(apart)
         forget_plans(model)
+    return model

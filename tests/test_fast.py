@@ -73,6 +73,9 @@ def test_int4_keeps_layers_the_kernel_cannot_take():
     quantize_int4(model)
     # N must be a multiple of 16 and K of the group size (32)
     assert [type(m).__name__ for m in model] == ["Int4Linear", "Linear", "Linear"]
+    for quantize in (quantize_int4, quantize_int8):  # an LM head format the quantizers do not have
+        with pytest.raises(ValueError, match="unknown LM head format"):
+            quantize(torch.nn.Sequential(torch.nn.Linear(64, 32)), head="int2")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
