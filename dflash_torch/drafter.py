@@ -10,6 +10,11 @@ Checkpoint keys (no embedding, no LM head: the target's are shared):
   fc.weight [H, n_taps * H], hidden_norm.weight, norm.weight,
   layers.N.{input_layernorm,post_attention_layernorm}.weight, layers.N.self_attn.{q,k,v,o}_proj.weight,
   layers.N.self_attn.{q,k}_norm.weight, layers.N.mlp.{gate,up,down}_proj.weight
+
+Optionally, beside them, `draft_vocab.json` ({"token_ids": [...]}, ours; other loaders ignore it): the
+tokens the drafter may propose. Its logits then come from those rows of the target's LM head only
+(a fraction of the head's cost); other tokens get -inf. Output is still the target's: only what is
+proposed changes.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import flat
+from . import flat, quantize
 from .cache import KVCache
 from .layers import MLP, RMSNorm, attend, attention_mask
 from .rope import Rotary, apply_rotary, rope_parameters
+
+VOCAB_FILE = "draft_vocab.json"
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -247,6 +254,9 @@ class DFlashDrafter(nn.Module):
         # every layer's context k/v projections stacked (fuse_context_kv); not saved with the weights
         self.register_buffer("ctx_kv_weight", None, persistent=False)
         self.register_buffer("ctx_kv_bias", None, persistent=False)
+        # the tokens it may propose (draft_vocab.json), ascending; None: the whole vocabulary
+        self.register_buffer("draft_vocab", None, persistent=False)
+        self._head = None  # (the target's LM head, its draft-vocabulary rows as a head of the same kind)
         self.flat = True  # draft passes through FlatDraft where it applies (same bits; False: the modules)
         self.script = True  # FlatDraft compiled by TorchScript on a CPU (same bits; False: in Python)
         self._plan = None
@@ -267,7 +277,7 @@ class DFlashDrafter(nn.Module):
         return self
 
     def _apply(self, fn, recurse=True):
-        self._plan = None  # .to() / .half() may replace tensors the flat plan holds
+        self._plan = self._head = None  # .to() / .half() may replace tensors the flat plan holds
         return super()._apply(fn, recurse)
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
@@ -314,13 +324,56 @@ class DFlashDrafter(nn.Module):
             cache.length += ctx.shape[1]
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Draft logits from drafter hidden states through the target's LM head."""
-        out = lm_head(hidden)
+    def set_draft_vocab(self, token_ids: list[int] | torch.Tensor | None) -> None:
+        """Restrict proposals to these token ids (None: the whole vocabulary)."""
+        if token_ids is not None:
+            ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+            if ids.numel() == 0 or int(ids.min()) < 0 or ids.unique().numel() != ids.numel():
+                raise ValueError("a draft vocabulary needs distinct, non-negative token ids")
+            token_ids = ids.sort().values.to(self.norm.weight.device)
+        self.draft_vocab, self._head = token_ids, None
+
+    def draft_head(self, lm_head: nn.Module) -> nn.Module:
+        """The target's LM head, or its draft-vocabulary rows as a head of the same kind (a quantized head
+        stays quantized the same way), built once per head."""
+        if self.draft_vocab is None:
+            return lm_head
+        if self._head is None or self._head[0] is not lm_head:
+            rows = self.draft_vocab.to(lm_head.weight.device)
+            w = lm_head.weight.detach()[rows]  # quantized heads read back their dequantized weight
+            bias = getattr(lm_head, "bias", None)
+            sub = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=w.dtype)
+            sub.weight.data.copy_(w)
+            if bias is not None:
+                sub.bias.data.copy_(bias.detach()[rows])
+            sub.requires_grad_(False)
+            if isinstance(lm_head, quantize.Int4Linear) and quantize.int4_fits(sub, lm_head.group_size):
+                sub = quantize.Int4Linear(sub, lm_head.group_size)
+            elif isinstance(lm_head, (quantize.Int4Linear, quantize.Int8Linear)):
+                sub = quantize.Int8Linear(sub)
+            self._head = (lm_head, sub)
+        return self._head[1]
+
+    def draft_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Token ids -> their index in the draft vocabulary (-100, ignored, outside it or for -100)."""
+        if self.draft_vocab is None:
+            return labels
+        top = max(int(self.draft_vocab.max()), int(labels.max()) if labels.numel() else 0)
+        index = torch.full((top + 2,), -100, dtype=torch.long, device=labels.device)  # last slot: for -100
+        index[self.draft_vocab.to(labels.device)] = torch.arange(len(self.draft_vocab), device=labels.device)
+        return index[labels.where(labels >= 0, -1)]
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module, full: bool = True) -> torch.Tensor:
+        """Draft logits from drafter hidden states through the target's LM head: [..., V], or with a
+        draft vocabulary and full=False [..., len(draft_vocab)] (its rows only)."""
+        out = self.draft_head(lm_head)(hidden)
         if self.output_multiplier != 1.0:
             out = out * self.output_multiplier
         if self.softcap:
             out = torch.tanh(out / float(self.softcap)) * float(self.softcap)
+        if self.draft_vocab is not None and full:  # the other tokens cannot be proposed
+            full_out = out.new_full((*out.shape[:-1], lm_head.out_features), float("-inf"))
+            out = full_out.index_copy_(-1, self.draft_vocab.to(out.device), out)
         return out
 
     def propose(self, target: nn.Module, block: torch.Tensor, ctx: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -380,6 +433,9 @@ class DFlashDrafter(nn.Module):
         dv = self.config.get("vocab_size")
         if dv is not None and dv != vocab_size:
             raise ValueError(f"drafter was built for a vocab of {dv} tokens; the target has {vocab_size}")
+        if self.draft_vocab is not None and int(self.draft_vocab.max()) >= vocab_size:
+            raise ValueError(f"the drafter's draft_vocab.json names token {int(self.draft_vocab.max())}, outside "
+                             f"the target vocab ({vocab_size})")
 
     def save(self, path: str | Path, extra_config: dict | None = None) -> None:
         """Write config.json + model.safetensors in the published format."""
@@ -397,6 +453,11 @@ class DFlashDrafter(nn.Module):
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        vocab_file = path / VOCAB_FILE
+        if self.draft_vocab is not None:
+            vocab_file.write_text(json.dumps({"token_ids": self.draft_vocab.tolist()}) + "\n")
+        elif vocab_file.is_file():  # an earlier drafter's, not this one's
+            vocab_file.unlink()
 
 
 def load_drafter(
@@ -430,6 +491,15 @@ def load_drafter(
     unexpected = [k for k in unexpected if not k.startswith(("embed_tokens", "lm_head", "rotary"))]
     if unexpected:
         raise ValueError(f"drafter checkpoint {path} has weights this drafter does not use: {unexpected[:8]}")
+    vocab_file = path / VOCAB_FILE
+    if vocab_file.is_file():
+        try:
+            ids = json.loads(vocab_file.read_text())["token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+                raise ValueError("token_ids is not a list of integers")
+            drafter.set_draft_vocab(ids)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{vocab_file}: not a draft vocabulary ({e})") from None
     return drafter.to(device).eval()
 
 

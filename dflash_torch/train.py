@@ -195,7 +195,8 @@ def block_logits(
     )  # [1, Tq, H]
     k = positions or B - 1
     hidden = hidden.view(-1, B, hidden.shape[-1])[:, 1 : 1 + k]  # [n_blocks, K, H]
-    return drafter.logits(hidden, target.lm_head)
+    # with a draft vocabulary: its rows of the head only (labels through drafter.draft_labels)
+    return drafter.logits(hidden, target.lm_head, full=False)
 
 
 def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -205,7 +206,7 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
     ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="none")
     valid = (labels != -100).float()
     w = weights[: logits.shape[1]].to(logits.device)[None] * valid  # [n, B - 1]
-    loss = (ce.view_as(w) * w).sum() / w.sum()
+    loss = (ce.view_as(w) * w).sum() / w.sum().clamp_min(1e-12)  # a batch may have no label in the vocab
     with torch.no_grad():
         hit = (logits.argmax(-1) == labels).int().cumprod(-1)
         accept = 1.0 + hit.sum(-1).float().mean().item()
@@ -228,7 +229,7 @@ def tf_acceptance(drafter, target, records, feats, cols, device, *, n_blocks: in
                        mask_token_id=drafter.mask_token_id)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = block_logits(drafter, drafter, target, b, device)
-        labels = b["labels"].to(device)
+        labels = drafter.draft_labels(b["labels"].to(device))
         hit = (logits.argmax(-1) == labels).int().cumprod(-1)
         total += (1 + hit.sum(-1)).sum().item()
         n += labels.shape[0]
@@ -299,9 +300,17 @@ def export(drafter: DFlashDrafter, path: str | Path, dtype: str = "bfloat16") ->
     """Write the drafter in the published format (config.json + model.safetensors)."""
     d = DFlashDrafter(drafter.config)
     d.load_state_dict(drafter.state_dict())
+    d.set_draft_vocab(drafter.draft_vocab)
     d = d.to(getattr(torch, dtype))
     d.save(path)
     return Path(path)
+
+
+def top_tokens(records: list[dict], n: int) -> list[int]:
+    """The n most frequent tokens of the replies (ties: lower id first): a draft vocabulary."""
+    counts = torch.bincount(torch.tensor([t for r in records for t in r["response_ids"]], dtype=torch.long))
+    order = sorted(range(len(counts)), key=lambda t: (-int(counts[t]), t))
+    return sorted(t for t in order[:n] if counts[t] > 0)
 
 
 def log_line(path: Path, row: dict) -> None:
@@ -363,14 +372,21 @@ def train(a: argparse.Namespace) -> dict:
     how = "resumed"
     if ckpt is not None:
         drafter.load_state_dict(ckpt["drafter"])
+        drafter.set_draft_vocab(ckpt.get("draft_vocab"))
     elif a.init_from:
-        drafter.load_state_dict(load_drafter(a.init_from, dtype=torch.float32).state_dict())
+        init = load_drafter(a.init_from, dtype=torch.float32)
+        drafter.load_state_dict(init.state_dict())
+        drafter.set_draft_vocab(init.draft_vocab)
         how = f"weights from {a.init_from}"
     elif a.init == "target":
         how = init_from_target(drafter, target, a.norm_scale)
     else:
         init_random(drafter, target, a.seed, a.norm_scale)
         how = "random init"
+    if ckpt is None and a.draft_vocab:  # from the training replies only: the held-out ones stay unseen
+        drafter.set_draft_vocab(top_tokens(train_recs, a.draft_vocab) if a.draft_vocab < tcfg["vocab_size"] else None)
+    if drafter.draft_vocab is not None:
+        how += f"; draft vocabulary of {len(drafter.draft_vocab)} tokens"
     model = drafter
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -396,8 +412,9 @@ def train(a: argparse.Namespace) -> dict:
                             "args": {k: v for k, v in vars(a).items() if k != "func"}})
 
     def save_ckpt() -> None:
+        vocab = None if drafter.draft_vocab is None else drafter.draft_vocab.tolist()
         torch.save({"step": step, "tokens": tokens, "config": config, "drafter": drafter.state_dict(),
-                    "optim": opt.state_dict()}, ckpt_file.with_suffix(".tmp"))
+                    "optim": opt.state_dict(), "draft_vocab": vocab}, ckpt_file.with_suffix(".tmp"))
         ckpt_file.with_suffix(".tmp").rename(ckpt_file)
 
     def evaluate() -> dict:
@@ -435,7 +452,7 @@ def train(a: argparse.Namespace) -> dict:
             g["lr"] = a.lr * lr_at(step, a.steps, a.warmup, a.min_lr_ratio)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.bf16):
             logits = block_logits(model, drafter, target, batch, device, a.loss_positions)
-            loss, m = block_loss(logits, batch["labels"], weights)
+            loss, m = block_loss(logits, drafter.draft_labels(batch["labels"]), weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), a.clip).item()
@@ -546,6 +563,10 @@ def add_parser(sub) -> None:
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step (checkpointed; resume later)")
     p.add_argument("--export", default=None, help="write the final drafter here (published format)")
     p.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="propose only the N most frequent reply tokens: the LM head's cost in training and "
+                        "draft passes drops to N rows (saved as draft_vocab.json; default: as --init-from, "
+                        "else the whole vocabulary)")
     p.add_argument("--eval", default=None, metavar="DRAFTER_DIR",
                    help="only measure a drafter's held-out acceptance with the real speculative loop")
     p.set_defaults(func=cmd_train)
