@@ -485,6 +485,9 @@ def machine_info(pipe) -> dict:
         "dtype": str(pipe.dtype).removeprefix("torch."),
         "quantize": getattr(pipe, "quantize", None),
         "lm_head": getattr(pipe, "lm_head", None),
+        # tokens the drafter proposes from (its draft vocabulary), None: the whole vocabulary
+        "draft_vocab": (None if pipe.drafter is None or pipe.drafter.draft_vocab is None
+                        else len(pipe.drafter.draft_vocab)),
         "cuda_graphs": getattr(pipe.target, "use_graphs", False),  # a cudagraph.GraphedTarget
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -543,7 +546,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     log = lambda msg: print(f"dflash bench: {msg}", file=sys.stderr)
 
     pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
-                cuda_graphs=args.cuda_graphs)
+                cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab)
     encoded = {name: [(p, encode(pipe, p)) for p in ps] for name, ps in suites.items()}
     lookup_only = pipe.drafter is None and args.lookup is True  # --no-draft --lookup: prompt lookup alone
     engines = ["baseline"] + (["dflash"] if pipe.drafter is not None or lookup_only else [])

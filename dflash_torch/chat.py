@@ -39,7 +39,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise ValueError("--max-tokens and --prefill-step-size must be >= 1")
     sampler = Sampler(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
     pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
-                cuda_graphs=args.cuda_graphs)
+                cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab)
     pipe._need_tokenizer()  # chat is text: a model without a tokenizer cannot take part
     prefix = PrefixCache()
     exact_prefill(pipe.target)  # quantized weights: reused keys/values are exactly a cold prefill's

@@ -17,6 +17,9 @@ def _common_model_args(p: argparse.ArgumentParser, draft: bool = True, decoding:
         p.add_argument("--draft", default="auto", help="drafter directory or hub id (default: the registered drafter)")
         p.add_argument("--no-draft", action="store_true", help="target-only decoding")
         p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
+        p.add_argument("--draft-vocab", action=argparse.BooleanOptionalAction, default=True,
+                       help="draft logits from the LM head rows of the drafter's draft vocabulary, where it has "
+                            "one (draft_vocab.json); --no-draft-vocab: the whole head (default: on)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--quantize", default=quantize, choices=["auto", "none", "int8", "int4"],
@@ -77,7 +80,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     sampler = Sampler(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
     pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
-                cuda_graphs=args.cuda_graphs)
+                cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab)
     if args.prompt_ids is not None:
         prompt = _parse_ids(args.prompt_ids)
     else:

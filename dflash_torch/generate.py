@@ -89,6 +89,7 @@ def load(
     quiet: bool = False,
     quantize: str | None = None,
     cuda_graphs: bool = False,
+    draft_vocab: bool = True,
 ) -> Pipeline:
     """Load a target and its drafter.
 
@@ -97,7 +98,9 @@ def load(
     quantize: None (or "none"), "int8" or "int4" (weight-only quantized linear layers in the target and the
     drafter; int4: CPU only), or "auto" (`loading.auto_quantize`: int4 on a CPU for a 4-bit GGUF file).
     cuda_graphs: replay the target's decode and verify passes as CUDA graphs (cudagraph.py; CUDA,
-    Llama-family targets). The performance switches live here, and none changes greedy output.
+    Llama-family targets). draft_vocab: where the drafter has a draft vocabulary (draft_vocab.json),
+    draft logits come from those rows of the LM head (False: the whole head). The performance switches
+    live here, and none changes greedy output.
     """
     dev = loading.pick_device(device)
     dt = loading.pick_dtype(dtype, dev)
@@ -140,6 +143,8 @@ def load(
     if draft_spec is not None:
         draft_path = loading.resolve_model(str(draft_spec)) if not Path(draft_spec).is_dir() else Path(draft_spec)
         drafter = load_drafter(draft_path, device=dev, dtype=dt)
+        if not draft_vocab:
+            drafter.set_draft_vocab(None)
         if quantizer is not None:
             # The drafter's layers too: a draft pass reads its weights once per cycle, and its proposals
             # only steer speed (the target verifies every token), so output stays the same.

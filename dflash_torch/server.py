@@ -67,6 +67,7 @@ class ServerConfig:
     dtype: str = "auto"
     quantize: str | None = None  # "int8", "int4" (weight-only quantized target), "auto" or None / "none"
     cuda_graphs: bool = False  # decode/verify passes replayed as CUDA graphs
+    draft_vocab: bool = True  # the drafter's draft vocabulary where it has one (False: the whole LM head)
     adaptive: bool = False  # adaptive block size (inside the fallback's decision)
     fallback: bool = True  # target-only fallback when speculation is slower
     lookup: bool | None = None  # prompt-lookup drafts beside the drafter (None: on whenever the drafter is)
@@ -607,7 +608,9 @@ class Engine:
         p, c = self.pipe, self.config
         drafter = "none (target-only)"
         if p.drafter:
-            drafter = f"{p.draft_path} (block {min(c.block_size or p.drafter.block_size, p.drafter.block_size)})"
+            drafter = f"{p.draft_path} (block {min(c.block_size or p.drafter.block_size, p.drafter.block_size)}"
+            vocab = p.drafter.draft_vocab
+            drafter += ")" if vocab is None else f", proposing from {len(vocab)} tokens)"
         fastpath = f"max_tokens <= {c.fastpath_max_tokens} target-only" if c.fastpath_max_tokens else "off"
         prefix = "off"
         if self.prefix:
@@ -930,7 +933,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
 
     config = config or ServerConfig()
     loader = loader or (lambda: load(config.model, config.draft, config.device, config.dtype, quantize=config.quantize,
-                                     cuda_graphs=config.cuda_graphs))
+                                     cuda_graphs=config.cuda_graphs, draft_vocab=config.draft_vocab))
     engine = Engine(config, loader, on_load_error)
 
     @asynccontextmanager
@@ -1293,6 +1296,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         fastpath_max_tokens=args.fastpath_max_tokens, api_key=args.api_key, max_tokens=args.max_tokens,
         block_size=args.block_size, max_queue=args.max_queue, device=args.device, dtype=args.dtype,
         quantize=getattr(args, "quantize", None), cuda_graphs=getattr(args, "cuda_graphs", False),
+        draft_vocab=getattr(args, "draft_vocab", True),
         adaptive=getattr(args, "adaptive", None) is not False,  # on unless --no-adaptive (or --block-size)
         lookup=getattr(args, "lookup", None),
         prefix_cache_max_entries=0 if args.no_prefix_cache else args.prefix_cache_max_entries,

@@ -188,3 +188,29 @@ def test_top_tokens_order():
     assert top_tokens(recs, 2) == [4, 7]
     assert top_tokens(recs, 3) == [4, 7, 9]  # 9 (2) before 1 and 2 (1 each)
     assert top_tokens(recs, 10) == [1, 2, 4, 7, 9]  # never a token the replies lack
+
+
+def test_cli_switch_and_generate_output(zlab, tmp_path, capsys):
+    """`--no-draft-vocab` loads the drafter without its vocabulary (the bench records which); generate's
+    tokens are the expected greedy ones either way."""
+    import shutil
+
+    from dflash_torch.bench import machine_info
+    from dflash_torch.cli import main
+    from dflash_torch.generate import load
+
+    draft = tmp_path / "draft"
+    shutil.copytree(zlab / "draft", draft)
+    vocab_size = load_drafter(draft).config["vocab_size"]
+    (draft / VOCAB_FILE).write_text(json.dumps({"token_ids": list(range(0, vocab_size, 2))}))
+    for on in (True, False):
+        pipe = load(str(zlab / "target"), draft=str(draft), quiet=True, draft_vocab=on)
+        assert (pipe.drafter.draft_vocab is not None) == on
+        assert machine_info(pipe)["draft_vocab"] == (vocab_size // 2 if on else None)
+    case = json.loads((zlab / "expected.json").read_text())["generate"][0]
+    for flag in ("--draft-vocab", "--no-draft-vocab"):
+        args = ["generate", "--model", str(zlab / "target"), "--draft", str(draft), "--prompt-ids",
+                ",".join(map(str, case["prompt"])), "--max-tokens", "32", "--json", flag, "--no-lookup"]
+        assert main(args) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["token_ids"] == case["greedy_output"][:32], flag
