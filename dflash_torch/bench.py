@@ -486,7 +486,7 @@ def machine_info(pipe) -> dict:
         "quantize": getattr(pipe, "quantize", None),
         "lm_head": getattr(pipe, "lm_head", None),
         # tokens the drafter proposes from (its draft vocabulary), None: the whole vocabulary
-        "draft_vocab": (None if pipe.drafter is None or pipe.drafter.draft_vocab is None
+        "draft_vocab": (None if getattr(pipe.drafter, "draft_vocab", None) is None
                         else len(pipe.drafter.draft_vocab)),
         "cuda_graphs": getattr(pipe.target, "use_graphs", False),  # a cudagraph.GraphedTarget
         "platform": platform.platform(),

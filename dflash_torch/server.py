@@ -609,7 +609,7 @@ class Engine:
         drafter = "none (target-only)"
         if p.drafter:
             drafter = f"{p.draft_path} (block {min(c.block_size or p.drafter.block_size, p.drafter.block_size)}"
-            vocab = p.drafter.draft_vocab
+            vocab = getattr(p.drafter, "draft_vocab", None)
             drafter += ")" if vocab is None else f", proposing from {len(vocab)} tokens)"
         fastpath = f"max_tokens <= {c.fastpath_max_tokens} target-only" if c.fastpath_max_tokens else "off"
         prefix = "off"

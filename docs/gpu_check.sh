@@ -11,8 +11,9 @@
 #                                      # DEST/gpu-results.tgz (bench artifacts, logs) + three short texts
 #   bash docs/gpu_check.sh train [DEST]  # on the GPU machine: training data from the prompts, then the
 #                                      # shipped drafter trained further (docs/training.md, stage 3); the
-#                                      # export comes back as DEST/drafter-config.json + model.safetensors
-#                                      # in 15 MiB parts (join: cat DEST/drafter-part-* > model.safetensors)
+#                                      # export comes back as DEST/drafter-config.json, draft_vocab.json and
+#                                      # model.safetensors in 15 MiB parts (join: cat DEST/drafter-part-* >
+#                                      # model.safetensors)
 #
 # .gpu is ignored by git. Where each copy to the GPU machine is size-limited, send it in pieces to a
 # machine that keeps them (.gpu/model-00, then .gpu/model-01, then .gpu/model-02 with the rest);
@@ -119,6 +120,8 @@ train() {
     cp "$work/run/log.jsonl" "$dest/train-log.jsonl" || true
     if [ -f "$work/export/model.safetensors" ]; then
         cp "$work/export/config.json" "$dest/drafter-config.json"
+        # the draft vocabulary (inherited from the shipped drafter by --init-from), if it has one
+        if [ -f "$work/export/draft_vocab.json" ]; then cp "$work/export/draft_vocab.json" "$dest/"; fi
         split -b 15M -d "$work/export/model.safetensors" "$dest/drafter-part-"
         sha256sum "$work/export/model.safetensors" | cut -d' ' -f1 > "$dest/drafter.sha256"
     fi
