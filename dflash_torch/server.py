@@ -590,7 +590,10 @@ class Engine:
             # acceptance, and when the full block is due for a try, carry into the next one
             self.adaptive = AdaptiveBlockSize(calibrate(pipe.target, pipe.drafter), pipe.drafter.block_size)
         self.pipe = pipe  # /health reports ready from here
-        self._banner()
+        try:
+            self._banner()
+        except Exception:  # the start-up log is not worth a dead worker
+            log.exception("dflash serve: could not write the start-up summary")
         while not self.stopping:
             job = self.queue.get()
             if job is None:
