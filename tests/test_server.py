@@ -387,6 +387,18 @@ def test_health_is_503_while_loading_then_200(pipe):
         assert r.status_code == 503 and "no such model" in r.json()["error"]
 
 
+def test_a_failing_startup_summary_does_not_stop_the_worker(pipe, monkeypatch):
+    from dflash_torch import server as server_module
+
+    def broken(self):
+        raise AttributeError("no such field")
+
+    monkeypatch.setattr(server_module.Engine, "_banner", broken)
+    with serve(pipe) as base:
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": OK_MSGS, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
 # --- the worker: queue, cancellation, metrics, fallback -----------------------------------------
 
 
