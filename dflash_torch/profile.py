@@ -76,6 +76,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     r = profile_pipeline(pipe, sizes, args.context, args.repeats)
     d = r["decode_s"]
     print(f"threads {torch.get_num_threads()}, device {pipe.device}, dtype {pipe.dtype}, context {args.context}")
+    vocab = getattr(pipe.drafter, "draft_vocab", None)
+    if vocab is not None:
+        print(f"draft passes: LM head rows of the drafter's draft vocabulary ({len(vocab)} tokens; "
+              "--no-draft-vocab for the whole head)")
     print(f"decode step: {d * 1e3:.2f} ms ({1 / d:.1f} tok/s)")
     head = f"{'B':>3} {'verify ms':>10} {'draft ms':>9} {'cycle/decode':>13}"
     print(head + f" {'ceiling tau=2':>14} {'tau=3':>6} {'tau=4':>6}")

@@ -270,3 +270,23 @@ def test_bench_lookup_switches(zlab, tmp_path, capsys):
     assert "--no-lookup" in data["command"].split() and "--fallback" in data["command"].split()
     (r,) = data["runs"]
     assert r["lookup_passes"] == 0 and r["outputs_match"] is True
+
+
+def test_profile_command(zlab, tmp_path, capsys):
+    """`dflash profile`: decode, verify and draft times per width as a table and as JSON; with a draft
+    vocabulary it says so, and --no-draft-vocab times the whole head."""
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(zlab / "draft", draft)
+    (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": list(range(0, 256, 3))}))
+    for flag in ("--draft-vocab", "--no-draft-vocab"):
+        assert main(["profile", "--model", str(zlab / "target"), "--draft", str(draft), "--sizes", "2,4",
+                     "--repeats", "2", "--context", "16", "--json", flag]) == 0
+        out = capsys.readouterr().out
+        r = json.loads(out.strip().splitlines()[-1])
+        assert r["context"] == 16 and r["decode_s"] > 0
+        assert set(r["verify_s"]) == set(r["draft_s"]) == {"2", "4"}  # JSON keys
+        assert all(v > 0 for v in [*r["verify_s"].values(), *r["draft_s"].values()])
+        assert ("draft vocabulary (86 tokens" in out) == (flag == "--draft-vocab")
+        assert "cycle/decode" in out
