@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import flat, quantize
+from . import flat, layers, quantize
 from .cache import KVCache
-from .layers import MLP, RMSNorm, attend, attention_mask
+from .layers import MLP, Linear, RMSNorm, attend, attention_mask, linear
 from .rope import Rotary, apply_rotary, rope_parameters
 
 VOCAB_FILE = "draft_vocab.json"
@@ -95,10 +95,10 @@ class DraftAttention(nn.Module):
         self.n_heads, self.n_kv = c["num_attention_heads"], c["num_key_value_heads"]
         self.head_dim = c.get("head_dim") or h // self.n_heads
         bias = bool(c.get("attention_bias", False))
-        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias)
+        self.q_proj = Linear(h, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, h, bias=bias)
         eps = c.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
@@ -171,7 +171,7 @@ class FlatDraft(nn.Module):
         self.eps = float(d.norm.eps)
         self.fc = flat.linear_spec(d.fc)
         self.hidden_norm, self.final_norm = flat.norm_weight(d.hidden_norm), flat.norm_weight(d.norm)
-        self.ctx_kv_weight, self.ctx_kv_bias = d.ctx_kv_weight, d.ctx_kv_bias
+        self.ctx_kv_weight, self.ctx_kv_bias, self.skinny = d.ctx_kv_weight, d.ctx_kv_bias, d.skinny
         self.fused_mlp = m0.gate_up_proj is not None
         norms, qk_norms, lins = [], [], []
         for layer in d.layers:
@@ -197,7 +197,8 @@ class FlatDraft(nn.Module):
         # 1, D]; keys/values: the drafter's cache [L, 1, Hkv, S, D] (context, then the block as scratch)
         t, tc, h, hkv, dh, eps, n = x.shape[0], ctx.shape[0], self.h, self.hkv, self.dh, self.eps, self.per_layer
         c = flat.rms_norm(flat.linear(ctx, self.fc), self.hidden_norm, eps)  # [Tc, H]
-        kv = F.linear(c, self.ctx_kv_weight, self.ctx_kv_bias).chunk(2 * keys.shape[0], dim=-1)  # k, v per layer
+        kv = linear(c, self.ctx_kv_weight, self.ctx_kv_bias, self.skinny)
+        kv = kv.chunk(2 * keys.shape[0], dim=-1)  # k, v per layer
         q_signed, c_signed = flat.signed(q_sin), flat.signed(c_sin)
         end = start + tc + t
         for i in range(keys.shape[0]):
@@ -241,7 +242,7 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids = [int(i) for i in ids]
         h = c["hidden_size"]
         eps = c.get("rms_norm_eps", 1e-6)
-        self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
+        self.fc = Linear(len(self.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, eps)
         self.norm = RMSNorm(h, eps)
         self.block_size = int(dflash_value(c, "block_size", 16))
@@ -254,6 +255,7 @@ class DFlashDrafter(nn.Module):
         # every layer's context k/v projections stacked (fuse_context_kv); not saved with the weights
         self.register_buffer("ctx_kv_weight", None, persistent=False)
         self.register_buffer("ctx_kv_bias", None, persistent=False)
+        self.skinny = layers.SKINNY_ROWS  # the stacked context k/v matmul's (layers.linear)
         # the tokens it may propose (draft_vocab.json), ascending; None: the whole vocabulary
         self.register_buffer("draft_vocab", None, persistent=False)
         self._head = None  # (the target's LM head, its draft-vocabulary rows as a head of the same kind)
@@ -314,7 +316,7 @@ class DFlashDrafter(nn.Module):
             k_pos = torch.cat([ctx_pos, q_pos])
         ctx_kv = [None] * len(self.layers)
         if self.ctx_kv_weight is not None:
-            kv = F.linear(ctx, self.ctx_kv_weight, self.ctx_kv_bias)  # [B, Tc, L * 2 * Hkv * D]
+            kv = linear(ctx, self.ctx_kv_weight, self.ctx_kv_bias, self.skinny)  # [B, Tc, L * 2 * Hkv * D]
             parts = kv.chunk(2 * len(self.layers), dim=-1)  # k, v of layer 0, k, v of layer 1, ...: all Hkv * D
             ctx_kv = [parts[2 * i : 2 * i + 2] for i in range(len(self.layers))]
         x = noise_embedding
@@ -342,7 +344,7 @@ class DFlashDrafter(nn.Module):
             rows = self.draft_vocab.to(lm_head.weight.device)
             w = lm_head.weight.detach()[rows]  # quantized heads read back their dequantized weight
             bias = getattr(lm_head, "bias", None)
-            sub = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=w.dtype)
+            sub = Linear(w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=w.dtype)
             sub.weight.data.copy_(w)
             if bias is not None:
                 sub.bias.data.copy_(bias.detach()[rows])

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import RMSNorm
+from .layers import Linear, RMSNorm
+from .layers import linear as dense
 
 # A linear layer as the flat layers read it: (kind, weight, scales, bias, group size).
 LinearSpec = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, int]
@@ -29,8 +30,10 @@ def linear_spec(m: nn.Module) -> tuple:
     from .quantize import Int4Linear, Int8Linear, int8_fits
 
     none = torch.empty(0)
-    if type(m) is nn.Linear:
+    if type(m) is nn.Linear:  # the group slot of a float layer: its skinny-rows limit (layers.linear)
         return (LINEAR, m.weight, none, m.bias, 0)
+    if type(m) is Linear:
+        return (LINEAR, m.weight, none, m.bias, m.skinny)
     if isinstance(m, Int4Linear):
         return (INT4, m.weight_int4, m.scales_and_zeros, m.bias, m.group_size)
     if isinstance(m, Int8Linear):
@@ -49,7 +52,7 @@ def norm_weight(m: RMSNorm) -> torch.Tensor:
 def linear(x: torch.Tensor, spec: LinearSpec) -> torch.Tensor:
     kind, w, sz, b, group = spec
     if kind == 0:  # LINEAR (TorchScript reads no globals)
-        return F.linear(x, w, b)
+        return dense(x, w, b, group)
     if kind == 3:  # INT4: the kernel takes bfloat16 activations (quantize.Int4Linear)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w, group, sz).to(x.dtype)
     elif kind == 1:  # INT8

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
-from .layers import ACTIVATIONS, MLP, attend, attention_mask
+from .layers import ACTIVATIONS, MLP, Linear, attend, attention_mask
 from .llama import Output
 from .rope import apply_rotary, inv_freq
 
@@ -232,17 +232,17 @@ class Attention(nn.Module):
         self.softcap = c.attn_logit_softcapping
         norm = dict(eps=c.rms_norm_eps, zero_centred=c.gemma3)
         bias = c.attention_bias
-        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.q_proj = Linear(c.hidden_size, self.n_heads * self.head_dim, bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, **norm)
         if not self.shared:  # shared layers have no k/v weights at all
-            self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=bias)
+            self.k_proj = Linear(c.hidden_size, self.n_kv * self.head_dim, bias=bias)
             self.k_norm = GemmaRMSNorm(self.head_dim, **norm)
             # attention_k_eq_v: global layers take values from the key projection (before k_norm and rope)
             self.k_eq_v = c.attention_k_eq_v and spec.kind == FULL
             if not self.k_eq_v:
-                self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=bias)
+                self.v_proj = Linear(c.hidden_size, self.n_kv * self.head_dim, bias=bias)
             self.v_norm = None if c.gemma3 else GemmaRMSNorm(self.head_dim, c.rms_norm_eps, with_scale=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, c.hidden_size, bias=bias)
 
     def forward(self, x, cos, sin, cache: Gemma4Cache, start: int, mask):
         b, t, _ = x.shape
@@ -267,7 +267,7 @@ class Router(nn.Module):
     def __init__(self, c: Gemma4Config) -> None:
         super().__init__()
         self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, with_scale=False)
-        self.proj = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.proj = Linear(c.hidden_size, c.num_experts, bias=False)
         self.scale = nn.Parameter(torch.ones(c.hidden_size))
         self.per_expert_scale = nn.Parameter(torch.ones(c.num_experts))
         self.top_k = c.top_k_experts
@@ -323,8 +323,8 @@ class DecoderLayer(nn.Module):
         self.ple = c.hidden_size_per_layer_input
         if self.ple:
             self.act = ACTIVATIONS[c.hidden_activation]
-            self.per_layer_input_gate = nn.Linear(h, self.ple, bias=False)
-            self.per_layer_projection = nn.Linear(self.ple, h, bias=False)
+            self.per_layer_input_gate = Linear(h, self.ple, bias=False)
+            self.per_layer_projection = Linear(self.ple, h, bias=False)
             self.post_per_layer_input_norm = GemmaRMSNorm(h, eps)
         if not c.gemma3:
             self.register_buffer("layer_scalar", torch.ones(1))  # in the checkpoint (a persistent buffer)
@@ -356,7 +356,7 @@ class TextModel(nn.Module):
         p = c.hidden_size_per_layer_input
         if p:
             self.embed_tokens_per_layer = nn.Embedding(c.vocab_size_per_layer_input, c.num_hidden_layers * p)
-            self.per_layer_model_projection = nn.Linear(c.hidden_size, c.num_hidden_layers * p, bias=False)
+            self.per_layer_model_projection = Linear(c.hidden_size, c.num_hidden_layers * p, bias=False)
             self.per_layer_projection_norm = GemmaRMSNorm(p, c.rms_norm_eps)
 
 
@@ -414,7 +414,7 @@ class Model(nn.Module):
         super().__init__()
         self.config = config
         self.model = TextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_load()
 
     def post_load(self) -> None:

@@ -28,14 +28,66 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+# Float32 matmuls of a few rows on a CPU: torch's x @ W^T (F.linear) runs MKL's kernel for that layout,
+# which for 1-4 rows reads the weights up to 5x slower than computing (W @ x^T)^T, whose kernel streams
+# the weight's rows; from 6 rows on F.linear is the faster (`python docs/skinny_probe.py`). One row goes
+# in twice: the single-column kernel is as slow as F.linear's. `set_skinny_rows(model, 0)`: F.linear
+# everywhere, the reference; layers built later take this value.
+SKINNY_ROWS = 4
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, skinny: int) -> torch.Tensor:
+    """F.linear(x, w, b), as (w @ x^T)^T for float32 CPU inputs of at most `skinny` rows."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k > 0 else 0
+    if 0 < rows <= skinny and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu":
+        x2 = x.reshape(rows, k)
+        if rows == 1:
+            x2 = torch.cat([x2, x2])
+        y = torch.mm(w, x2.t()).t()  # [rows (2 for one), N], transposed
+        if rows == 1:
+            y = y[:1]
+        y = y.contiguous()
+        if b is not None:
+            y = y + b
+        shape = list(x.shape[:-1])
+        shape.append(w.shape[0])
+        return y.view(shape)
+    return F.linear(x, w, b)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same checkpoint keys) through `linear`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.skinny = SKINNY_ROWS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.skinny)
+
+
+def set_skinny_rows(model: nn.Module, rows: int) -> nn.Module:
+    """Set the skinny-rows limit of every `Linear` of `model` (and a drafter's context k/v matmul); 0: the
+    plain F.linear path everywhere, the reference the fast one is tested against."""
+    for m in model.modules():
+        if isinstance(m, Linear) or hasattr(m, "ctx_kv_weight"):
+            m.skinny = rows
+        if hasattr(m, "_plan"):  # flat plans (and a drafter's draft-vocabulary head) copy it when built
+            m._plan = None
+        if hasattr(m, "_head"):
+            m._head = None
+    return model
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(act(gate(x)) * up(x))."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu") -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
         self.gate_up_proj = None  # [gate; up] as one layer, set by quantize.fuse_projections
 

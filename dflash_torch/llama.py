@@ -15,7 +15,7 @@ from torch import nn
 
 from . import flat
 from .cache import KVCache
-from .layers import MLP, RMSNorm, attend, attend_each_query, attention_mask
+from .layers import MLP, Linear, RMSNorm, attend, attend_each_query, attention_mask
 from .rope import Rotary, apply_rotary, rope_parameters
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -72,12 +72,12 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * self.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.attention_bias)
+        self.q_proj = Linear(c.hidden_size, self.n_heads * self.head_dim, bias=c.attention_bias)
+        self.k_proj = Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.attention_bias)
+        self.v_proj = Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.attention_bias)
         # Qwen2 puts a bias on q/k/v but never on o_proj; Llama's attention_bias covers all four.
         o_bias = c.attention_bias and c.model_type not in ("qwen2",)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, c.hidden_size, bias=o_bias)
         if c.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
@@ -157,7 +157,7 @@ class Model(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.flat = True  # decode and one-query-at-a-time passes through `_flat` (same bits; False: modules)
         self.script = True  # `_flat` compiled by TorchScript (same bits; False: FlatLayers in Python)
         self._plan = None

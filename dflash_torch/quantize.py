@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .layers import Linear
+
 INT4_GROUP_SIZE = 32  # 64 measured no faster on an AVX-512 CPU (128 about 3x slower); 32 rounds finer
 
 
@@ -129,7 +131,7 @@ def forget_plans(model: nn.Module) -> nn.Module:
 
 def _concat(parts: list[nn.Linear]) -> nn.Linear:
     first = parts[0]
-    out = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
+    out = Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
                     device=first.weight.device, dtype=first.weight.dtype)
     with torch.no_grad():
         out.weight.copy_(torch.cat([p.weight for p in parts]))

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
-from .layers import ACTIVATIONS, MLP, attend, attention_mask
+from .layers import ACTIVATIONS, MLP, Linear, attend, attention_mask
 from .llama import Output
 from .rope import Rotary, apply_rotary, rope_parameters
 
@@ -289,11 +289,11 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.n_v))
         self.A_log = nn.Parameter(torch.zeros(self.n_v))
         self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
-        self.in_proj_qkv = nn.Linear(c.hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(c.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(c.hidden_size, self.n_v, bias=False)
-        self.in_proj_a = nn.Linear(c.hidden_size, self.n_v, bias=False)
+        self.out_proj = Linear(self.value_dim, c.hidden_size, bias=False)
+        self.in_proj_qkv = Linear(c.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(c.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = Linear(c.hidden_size, self.n_v, bias=False)
+        self.in_proj_a = Linear(c.hidden_size, self.n_v, bias=False)
         self.act = ACTIVATIONS[c.hidden_act]
 
     def conv(self, window: torch.Tensor, t: int) -> torch.Tensor:
@@ -350,10 +350,10 @@ class Attention(nn.Module):
         self.slot = slot  # index among the attention layers (its slice of the KV cache)
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         bias = c.attention_bias
-        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=bias)
+        self.q_proj = Linear(c.hidden_size, self.n_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = Linear(c.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = Linear(c.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, c.hidden_size, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, c.rms_norm_eps)
         self.scale = self.head_dim**-0.5
@@ -549,7 +549,7 @@ class Model(nn.Module):
         super().__init__()
         self.config = config
         self.model = TextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_load()
 
     def post_load(self) -> None:

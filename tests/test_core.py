@@ -110,6 +110,56 @@ def test_rms_norm_fast_path_equals_reference(dim):
         assert torch.equal(norm(x), norm.reference(x))
 
 
+def test_skinny_linear_agrees_with_f_linear():
+    """layers.linear: F.linear's values (to float32 rounding) and gradients for 1-4 float32 CPU rows in any
+    leading shape, with and without bias; F.linear itself, bit for bit, past the limit, with the limit at
+    0, and for other dtypes."""
+    import torch.nn.functional as F
+
+    from dflash_torch.layers import linear
+
+    g = torch.Generator().manual_seed(0)
+    for bias in (False, True):
+        w = torch.randn(96, 64, generator=g)
+        b = torch.randn(96, generator=g) if bias else None
+        for shape in ((1, 64), (2, 64), (4, 64), (1, 3, 64), (2, 2, 64), (1, 1, 1, 64), (5, 64), (2, 8, 64)):
+            x = torch.randn(*shape, generator=g)
+            want = F.linear(x, w, b)
+            got = linear(x, w, b, 4)
+            assert got.shape == want.shape and got.is_contiguous()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            if x.numel() // 64 > 4:
+                assert torch.equal(got, want)
+            assert torch.equal(linear(x, w, b, 0), want)
+            assert torch.equal(linear(x.bfloat16(), w.bfloat16(), None, 4), F.linear(x.bfloat16(), w.bfloat16()))
+    x, w = torch.randn(3, 64, requires_grad=True), torch.randn(96, 64, requires_grad=True)
+    gx, gw = torch.autograd.grad(linear(x, w, None, 4).square().sum(), (x, w))
+    rx, rw = torch.autograd.grad(F.linear(x, w).square().sum(), (x, w))
+    torch.testing.assert_close(gx, rx, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gw, rw, rtol=1e-4, atol=1e-4)
+
+
+def test_skinny_linear_keeps_the_model(tiny_models):
+    """A target with the skinny float32 matmuls against the same target on F.linear alone: logits to float32
+    rounding, and the same greedy tokens (the switch is `layers.set_skinny_rows`)."""
+    from dflash_torch.layers import Linear, set_skinny_rows
+    from dflash_torch.speculative import generate_tokens
+
+    for kind, path in tiny_models.items():
+        fast = loading.load_target(path, torch.device("cpu"), torch.float32)
+        ref = set_skinny_rows(loading.load_target(path, torch.device("cpu"), torch.float32), 0)
+        assert any(isinstance(m, Linear) for m in fast.modules())
+        assert all(m.skinny == 0 for m in ref.modules() if isinstance(m, Linear))
+        g = torch.Generator().manual_seed(1)
+        for t in (1, 2, 3, 4, 9):
+            ids = torch.randint(0, 255, (1, t), generator=g)
+            a, b = fast(ids, fast.new_cache(16), logits="all"), ref(ids, ref.new_cache(16), logits="all")
+            torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
+        for prompt in ([3, 5, 8], [200, 1, 77, 6, 12]):
+            assert (list(generate_tokens(fast, prompt, max_new_tokens=24))
+                    == list(generate_tokens(ref, prompt, max_new_tokens=24))), kind
+
+
 def test_target_layer_ids_rule():
     assert build_target_layer_ids(8, 2) == [1, 5]
     assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]

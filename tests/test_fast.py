@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from dflash_torch import loading
+from dflash_torch import layers, loading
 from dflash_torch.adaptive import AdaptiveBlockSize, calibrate
 from dflash_torch.drafter import FlatDraft, load_drafter
 from dflash_torch.quantize import Int4Linear, Int8Linear, quantize_int4, quantize_int8
@@ -94,7 +94,7 @@ def test_switches_keep_speculative_equal_to_target_only(pair, dtype, quant):
         assert all(not isinstance(m, torch.nn.Linear) for m in target.modules())  # every layer fits the kernel
     if quant in ("int4+int8 head", "int4+full head"):
         quantize_int4(target, head="int8" if quant == "int4+int8 head" else None)
-        assert type(target.lm_head) is (Int8Linear if quant == "int4+int8 head" else torch.nn.Linear)
+        assert type(target.lm_head) is (Int8Linear if quant == "int4+int8 head" else layers.Linear)
         assert isinstance(target.model.layers[0].mlp.down_proj, Int4Linear)
     drafter = load_drafter(dpath, dtype=dtype)
     rng = random.Random(5)
