@@ -81,6 +81,22 @@ def test_dflash_sampling_matches_target_distribution(small_vocab, settings):
     assert _chi2_pvalue(counts, exact, n) > 1e-3
 
 
+def test_sampling_with_a_draft_vocabulary_matches_target_distribution(small_vocab):
+    """A drafter that can propose only some tokens (draft_vocab.json): the others have draft probability
+    0, and the output is still distributed exactly as the target's."""
+    target, drafter = small_vocab
+    prompt, settings = [1, 3, 0, 2], {"temperature": 1.0}
+    exact = _exact_joint(target, prompt, Sampler(**settings))
+    drafter.set_draft_vocab([0, 2, 4])
+    try:
+        n = 4000
+        counts, rate = _sample_counts(target, drafter, prompt, settings, n)
+    finally:
+        drafter.set_draft_vocab(None)
+    assert 0.05 < rate < 0.95
+    assert _chi2_pvalue(counts, exact, n) > 1e-3
+
+
 def test_chi_square_detects_a_biased_sampler(small_vocab, monkeypatch):
     """The test above can fail: accepting every draft (sampling from q) is caught."""
     target, drafter = small_vocab
