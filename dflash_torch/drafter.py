@@ -349,6 +349,7 @@ class DFlashDrafter(nn.Module):
             if bias is not None:
                 sub.bias.data.copy_(bias.detach()[rows])
             sub.requires_grad_(False)
+            sub.skinny = self.skinny  # as the drafter's other float32 matmuls (layers.set_skinny_rows)
             if isinstance(lm_head, quantize.Int4Linear) and quantize.int4_fits(sub, lm_head.group_size):
                 sub = quantize.Int4Linear(sub, lm_head.group_size)
             elif isinstance(lm_head, (quantize.Int4Linear, quantize.Int8Linear)):

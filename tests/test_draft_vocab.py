@@ -10,6 +10,7 @@ import torch
 
 from dflash_torch import loading, quantize
 from dflash_torch.drafter import VOCAB_FILE, load_drafter
+from dflash_torch.layers import SKINNY_ROWS, set_skinny_rows
 from dflash_torch.speculative import Stats, generate_tokens
 
 from .conftest import make_drafter
@@ -49,6 +50,10 @@ def test_restricted_logits_are_the_head_rows(llama_pair):
             torch.testing.assert_close(sub[..., ids], full[..., ids], rtol=0, atol=tol * full.abs().max().item())
             assert torch.isneginf(sub[..., out]).all(), name
             assert drafter.logits(hidden, head, full=False).shape == (1, 5, len(ids)), name
+        set_skinny_rows(drafter, 0)  # the sub-head follows the drafter's float32 matmul setting
+        assert drafter.draft_head(target.lm_head).skinny == 0
+        set_skinny_rows(drafter, SKINNY_ROWS)
+        assert drafter.draft_head(target.lm_head).skinny == SKINNY_ROWS
     finally:
         drafter.set_draft_vocab(None)
 
