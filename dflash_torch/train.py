@@ -322,6 +322,8 @@ def train(a: argparse.Namespace) -> dict:
     """Run (or resume) one training run; returns the last logged metrics."""
     from tqdm import tqdm
 
+    if a.draft_vocab is not None and a.draft_vocab < 1:
+        raise ValueError(f"--draft-vocab needs a positive number of tokens, got {a.draft_vocab}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:  # torchrun: one process per device, gradients averaged by DDP
@@ -383,7 +385,7 @@ def train(a: argparse.Namespace) -> dict:
     else:
         init_random(drafter, target, a.seed, a.norm_scale)
         how = "random init"
-    if ckpt is None and a.draft_vocab:  # from the training replies only: the held-out ones stay unseen
+    if ckpt is None and a.draft_vocab is not None:  # from the training replies only: the held-out ones stay unseen
         drafter.set_draft_vocab(top_tokens(train_recs, a.draft_vocab) if a.draft_vocab < tcfg["vocab_size"] else None)
     if drafter.draft_vocab is not None:
         how += f"; draft vocabulary of {len(drafter.draft_vocab)} tokens"

@@ -178,6 +178,8 @@ def test_train_with_a_draft_vocab(tiny_data, tmp_path):  # noqa: F811 (the fixtu
     assert len(want) == 40 and set(want) <= {t for r in train_recs for t in r["response_ids"]}
     d1 = load_drafter(tmp_path / "d1")
     assert d1.draft_vocab.tolist() == want
+    with pytest.raises(ValueError, match="positive number"):
+        run_train([*common, "--out", str(tmp_path / "bad"), "--draft-vocab", "0"])
     run_train([*common, "--out", str(tmp_path / "run2"), "--steps", "0", "--init-from", str(tmp_path / "d1"),
                "--export", str(tmp_path / "d2")])
     assert load_drafter(tmp_path / "d2").draft_vocab.tolist() == want
