@@ -69,7 +69,7 @@ def json_object(text: str) -> dict:
 def cmd_generate(args: argparse.Namespace) -> int:
     from .adaptive import use_adaptive
     from .generate import Detokenizer, load, stream
-    from .sampling import Sampler
+    from .sampling import Sampler, TokenLogprobs
     from .speculative import Stats
 
     if args.text is not None:
@@ -101,9 +101,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stats = Stats()
     detok = Detokenizer(pipe)
     ids = []
+    if args.logprobs is not None and not args.json:
+        raise ValueError("--logprobs is reported in the --json output: add --json")
+    if args.logprobs is not None and not 0 <= args.logprobs <= 20:
+        raise ValueError(f"--logprobs must be in [0, 20], got {args.logprobs}")
+    lp = TokenLogprobs(args.logprobs) if args.logprobs is not None else None
     for tok in stream(pipe, prompt, args.max_tokens, block_size=args.block_size,
                       use_draft=not args.no_draft, sampler=sampler, stats=stats, controller=controller,
-                      lookup=args.lookup, prefill_chunk=args.prefill_step_size):
+                      lookup=args.lookup, prefill_chunk=args.prefill_step_size, logprobs=lp):
         ids.append(tok)
         if not args.json and pipe.tokenizer is not None:
             sys.stdout.write(detok.add(tok))
@@ -137,6 +142,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "lookup_drafted": d["lookup_drafted"], "lookup_accepted": d["lookup_accepted"],
                 "verify_widths": d["verify_widths"]},
         }
+        if lp is not None:
+            def text(t: int) -> str:
+                return pipe.token_bytes(t).decode("utf-8", errors="replace") if pipe.tokenizer is not None else ""
+            out["logprobs"] = [
+                {"token_id": t, "token": text(t), "logprob": v,
+                 "top_logprobs": [{"token_id": i, "token": text(i), "logprob": x} for i, x in zip(top, vals)]}
+                for t, (v, top, vals) in zip(ids, lp.entries)]
         if adaptive is not None:
             used = adaptive.history
             out["stats"]["block_sizes_used"] = {str(b): used.count(b) for b in sorted(set(used))}
@@ -212,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="variables for the chat template, e.g. '{\"enable_thinking\": false}'")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's log-probability under the target and its K best alternatives "
+                        "(0-20)")
     g.add_argument("--no-fallback", action="store_true",
                    help="keep speculating even when it measures slower than target-only (to measure a drafter)")
     _sampling_args(g)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,8 +20,26 @@ import torch
 
 from . import loading, registry
 from .drafter import DFlashDrafter, load_drafter
-from .sampling import Sampler
+from .sampling import Sampler, TokenLogprobs
 from .speculative import Stats, generate_tokens
+
+
+def _byte_level_chars() -> dict[str, int]:
+    # Byte-level BPE (GPT-2 and its descendants) spells each byte as one printable character: the
+    # printable Latin-1 bytes as themselves, the other bytes as code points 256, 257, ... in byte order.
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    table, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_chars()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 @dataclass
@@ -74,6 +93,22 @@ class Pipeline:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token id `token` stands for: one token may hold part of a character, which its
+        decoded text cannot show (byte-level BPE pieces, SentencePiece byte tokens <0xNN>)."""
+        tok = self._need_tokenizer()
+        piece = tok.convert_ids_to_tokens(int(token))
+        if piece is None:
+            return b""
+        if int(token) in tok.all_special_ids:
+            return piece.encode()
+        if (m := _BYTE_PIECE.fullmatch(piece)) is not None:
+            return bytes([int(m.group(1), 16)])
+        if "ByteLevel" in str(getattr(getattr(tok, "backend_tokenizer", None), "decoder", "")) and all(
+                c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        return piece.replace("\u2581", " ").encode()  # SentencePiece marks a space as U+2581
 
     def _need_tokenizer(self):
         if self.tokenizer is None:
@@ -162,6 +197,7 @@ class Result:
     text: str
     finish_reason: str
     stats: Stats
+    logprobs: list | None = None  # TokenLogprobs.entries, one per token, when asked for
 
 
 def stream(
@@ -177,10 +213,12 @@ def stream(
     controller=None,
     lookup: bool | None = None,
     prefill_chunk: int | None = None,
+    logprobs: TokenLogprobs | None = None,
 ) -> Iterator[int]:
     """Yield completion token ids as they are committed (see `generate` for the arguments;
     `controller` picks the block size per cycle, see `speculative.generate_tokens`; `lookup`:
-    prompt-lookup drafts too, default on whenever the drafter is used)."""
+    prompt-lookup drafts too, default on whenever the drafter is used; `logprobs`: filled with each
+    token's log-probability under the target, and its best alternatives, before the token is yielded)."""
     check_lengths(pipe, prompt_ids, max_tokens)
     stops = pipe.stop_token_ids if stop_token_ids is None else stop_token_ids
     if lookup is None:
@@ -189,7 +227,7 @@ def stream(
         pipe.target, prompt_ids, max_new_tokens=max_tokens,
         drafter=pipe.drafter if use_draft else None, block_size=block_size,
         stop_token_ids=stops, sampler=sampler, stats=stats, controller=controller, lookup=lookup,
-        prefill_chunk=prefill_chunk,
+        prefill_chunk=prefill_chunk, logprobs=logprobs,
     )
 
 
@@ -214,14 +252,18 @@ def generate(
     pipe: Pipeline,
     prompt_ids: list[int],
     max_tokens: int = 256,
+    logprobs: int | None = None,
     **kwargs,
 ) -> Result:
-    """Generate a completion. kwargs: block_size, use_draft, sampler, stop_token_ids, controller, lookup."""
+    """Generate a completion. kwargs: block_size, use_draft, sampler, stop_token_ids, controller, lookup.
+    `logprobs=k`: also report each token's log-probability under the target with its k best alternatives
+    (`Result.logprobs`, as `sampling.TokenLogprobs` entries)."""
     stats = Stats()
-    ids = list(stream(pipe, prompt_ids, max_tokens, stats=stats, **kwargs))
+    lp = TokenLogprobs(logprobs) if logprobs is not None else None
+    ids = list(stream(pipe, prompt_ids, max_tokens, stats=stats, logprobs=lp, **kwargs))
     stops = pipe.stop_token_ids if kwargs.get("stop_token_ids") is None else kwargs["stop_token_ids"]
     reason = "stop" if ids and ids[-1] in stops else "length"
-    return Result(ids, pipe.decode(ids), reason, stats)
+    return Result(ids, pipe.decode(ids), reason, stats, lp.entries if lp is not None else None)
 
 
 class Detokenizer:

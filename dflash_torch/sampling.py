@@ -12,9 +12,32 @@ distributed exactly as if sampled from the target alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class TokenLogprobs:
+    """Collects, for each emitted token, its log-probability under the target's own distribution
+    (log-softmax of the raw logits: before temperature and filtering) and the `top` most likely tokens
+    there. `entries[i]` = (logprob, [top ids], [top logprobs]) for the i-th token of the generation.
+    The rows are the target's logits at the emitted positions, the same in a verify pass as in decode
+    steps, so speculative decoding reports what target-only decoding reports."""
+
+    top: int = 0
+    entries: list = field(default_factory=list)
+
+    def add(self, logits: torch.Tensor, tokens: list[int]) -> None:
+        """Record tokens [T] chosen from the target's logits [>= T, V] (row i for token i)."""
+        lp = logits[: len(tokens)].float().log_softmax(-1)  # [T, V]
+        chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+        if self.top > 0:
+            values, ids = lp.topk(min(self.top, lp.shape[-1]), dim=-1)  # [T, top]
+            values, ids = values.tolist(), ids.tolist()
+        else:
+            values, ids = [[]] * len(tokens), [[]] * len(tokens)
+        self.entries += list(zip(chosen, ids, values))
 
 
 def accept_greedy(draft: torch.Tensor, target_choice: torch.Tensor) -> int:

@@ -33,7 +33,7 @@ from .fallback import FallbackController
 from .generate import Detokenizer, Pipeline, check_lengths, load
 from .prefix_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DiskStore, PrefixCache
 from .quantize import exact_prefill
-from .sampling import Sampler
+from .sampling import Sampler, TokenLogprobs
 from .speculative import Stats, generate_tokens
 from .tool_calls import ToolCallStream
 
@@ -46,8 +46,8 @@ ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "
              "/v1/models": "models",
              "/health": "health", "/metrics": "metrics", "/metrics.json": "metrics"}
 # Accepted by OpenAI but not implemented here: refuse rather than silently answer something else.
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "functions", "logit_bias",
-               "presence_penalty", "frequency_penalty")
+UNSUPPORTED = ("echo", "suffix", "functions", "logit_bias", "presence_penalty", "frequency_penalty")
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -131,6 +131,7 @@ class GenRequest:
     stream: bool
     include_usage: bool
     sampler: Sampler
+    logprobs: int | None = None  # None: not asked for; k: each token's log-probability and its k best
 
 
 def parse_common(body: dict) -> GenRequest:
@@ -174,6 +175,47 @@ def parse_common(body: dict) -> GenRequest:
     sampler = Sampler(float(temperature), float(top_p), max(top_k, 0), float(min_p), seed)
     return GenRequest(max_tokens, max_tokens_param, stops, _field(body, "stream", "bool", False), include_usage,
                       sampler)
+
+
+def parse_logprobs(body: dict, endpoint: str) -> int | None:
+    """None when the request does not ask for log-probabilities, else how many alternatives per token.
+    Chat: 'logprobs': true and 'top_logprobs': 0-20; completions: 'logprobs': 0-20 (the alternatives)."""
+    if endpoint == "chat":
+        top = _field(body, "top_logprobs", "int")
+        if not _field(body, "logprobs", "bool", False):
+            if top is not None:
+                raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            return None
+        top = 0 if top is None else top
+        param = "top_logprobs"
+    else:
+        top = _field(body, "logprobs", "int")
+        if top is None:
+            return None
+        param = "logprobs"
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad(f"'{param}' must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param)
+    return top
+
+
+def logprob_entry(pipe: Pipeline, token: int, logprob: float, top_ids: list[int], top_lps: list[float]) -> dict:
+    """One token of a chat completion's 'logprobs.content': its text, bytes and best alternatives."""
+    def one(t: int, lp: float) -> dict:
+        b = pipe.token_bytes(t)
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
+    return one(token, logprob) | {"top_logprobs": [one(t, lp) for t, lp in zip(top_ids, top_lps)]}
+
+
+def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
+    """Chat-style entries -> the legacy completions 'logprobs' object (offsets count characters of the
+    completion text from `offset`)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
 
 
 def parse_messages(value) -> list[dict]:
@@ -429,6 +471,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     fastpath: bool = False
     tools: list[dict] | None = None  # tools shown to the model: its text is parsed for calls
+    logprobs: int | None = None  # GenRequest.logprobs
     tool_calls: list[dict] = field(default_factory=list)
     id: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -442,7 +485,9 @@ class Job:
     seen: dict = field(default_factory=dict)  # speculative counters already exported
 
     def emit(self, kind: str, payload=None) -> None:
-        """Hand ("delta", text) / ("done", info) / ("error", APIError) to the handler, from any thread."""
+        """Hand ("delta", text) / ("logprobs", [entry]) / ("done", info) / ("error", APIError) to the
+        handler, from any thread. Log-probability entries come just before the delta whose text they
+        made (a token whose text is held back, as a possible stop string's start, waits with it)."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -652,6 +697,8 @@ class Engine:
         calls = ToolCallStream(job.tools) if job.tools else None
         stops = set(pipe.stop_token_ids)
         finish, status = "length", 200
+        lp = TokenLogprobs(job.logprobs) if job.logprobs is not None else None
+        held: list[dict] = []  # entries of tokens whose text has not gone out yet
         gen = generate_tokens(
             pipe.target, job.prompt_ids, max_new_tokens=job.max_tokens, drafter=pipe.drafter if use_draft else None,
             block_size=self.config.block_size, stop_token_ids=pipe.stop_token_ids, sampler=job.sampler,
@@ -659,7 +706,7 @@ class Engine:
             lookup=not job.fastpath and (use_draft if self.config.lookup is None else self.config.lookup),
             # timings carried over would steer a seeded sampled request's widths: it measures its own
             lookup_costs=self.lookup_costs if job.sampler.greedy or job.sampler.seed is None else None,
-            prefix=self.prefix, prefill_chunk=self.config.prefill_step_size,
+            prefix=self.prefix, prefill_chunk=self.config.prefill_step_size, logprobs=lp,
         )
         try:
             for token in gen:
@@ -667,9 +714,14 @@ class Engine:
                 job.completion_tokens += 1
                 with self.tokenizer_lock:
                     delta = text.add(token)
+                    if lp is not None and token not in stops and not text.stopped:
+                        held.append(logprob_entry(pipe, token, *lp.entries[job.completion_tokens - 1]))
                 if delta and calls:
                     delta = calls.feed(delta)
                 if delta:
+                    if held:
+                        job.emit("logprobs", held)
+                        held = []
                     job.emit("delta", delta)
                 m.sync_live(job)
                 if text.stopped or token in stops:
@@ -683,6 +735,8 @@ class Engine:
                     tail = text.finish()
                 if tail and calls:
                     tail = calls.feed(tail)
+                if held:  # with the tail, or alone (tokens that print nothing)
+                    job.emit("logprobs", held)
                 if tail:
                     job.emit("delta", tail)
             if status == 200 and calls:
@@ -1025,6 +1079,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         """A chat completions body -> its answer (a stream, or the chat.completion object). `streamer(job,
         req)`: the server-sent events of a streamed answer (default: chat completion chunks)."""
         req = parse_common(body)
+        req.logprobs = parse_logprobs(body, "chat")
         messages = parse_messages(body.get("messages"))
         tools = parse_tools(body)
         # vLLM's field: variables for the chat template, over the server's --chat-template-args
@@ -1067,6 +1122,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             texts: list[str] = []
             while True:
                 kind, payload = await job.events.get()
+                if kind == "logprobs":  # not asked for through this endpoint
+                    continue
                 if kind == "delta":
                     if not texts:
                         yield event("response.output_item.added", output_index=0, item=message("", "in_progress"))
@@ -1110,6 +1167,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
     async def completions(request: Request):
         body = await request_body(request)
         req = parse_common(body)
+        req.logprobs = parse_logprobs(body, "completions")
         for name in ("tools", "tool_choice", "chat_template_kwargs", "messages"):  # chat fields: not here
             if body.get(name) is not None:
                 raise bad(f"'{name}' belongs to /v1/chat/completions, not /v1/completions", name)
@@ -1131,7 +1189,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         except ValueError as e:
             raise bad(str(e), req.max_tokens_param if "max_tokens" in str(e) else prompt_param) from None
         job = Job(endpoint, ids, max_tokens, req.sampler, req.stops, asyncio.get_running_loop(),
-                  fastpath=max_tokens <= config.fastpath_max_tokens, tools=tools)
+                  fastpath=max_tokens <= config.fastpath_max_tokens, tools=tools, logprobs=req.logprobs)
         engine.submit(job)
         if req.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -1139,16 +1197,24 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         return await collect(request, job)
 
-    def chunk(job: Job, created: int, text: str | None, finish: str | None, usage: dict | None = None) -> dict:
+    def logprobs_field(job: Job, entries: list[dict] | None, offset: int = 0) -> dict | None:
+        if job.logprobs is None or entries is None:
+            return None
+        if job.endpoint == "chat":
+            return {"content": entries, "refusal": None}
+        return completion_logprobs(entries, offset)
+
+    def chunk(job: Job, created: int, text: str | None, finish: str | None, usage: dict | None = None,
+              logprobs: dict | None = None) -> dict:
         if job.endpoint == "chat":
             delta = {} if text is None else {"content": text}
-            if text == "" and finish is None:
+            if text == "" and finish is None and logprobs is None:
                 delta = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             out = {"id": job.id, "object": "chat.completion.chunk", "created": created, "model": engine.name,
                    "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             out = {"id": job.id, "object": "text_completion", "created": created, "model": engine.name,
                    "choices": [choice]}
         if usage is not None:
@@ -1166,16 +1232,27 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         try:
             if job.endpoint == "chat":
                 yield _sse(chunk(job, created, "", None) | extra)
+            waiting: list[dict] = []  # log-probability entries whose text has not arrived yet
+            sent = 0  # characters of text sent (completions' text_offset)
             while True:
                 batch = [await job.events.get()]
                 while not job.events.empty():  # a backlog goes out as one chunk ("done"/"error" come last)
                     batch.append(job.events.get_nowait())
-                text = "".join(p for k, p in batch if k == "delta")
+                text, entries = "", []
+                for k, p in batch:
+                    if k == "logprobs":
+                        waiting += p
+                    elif k == "delta":
+                        text, entries, waiting = text + p, entries + waiting, []
                 if text:
-                    yield _sse(chunk(job, created, text, None) | extra)
+                    yield _sse(chunk(job, created, text, None, logprobs=logprobs_field(job, entries, sent)) | extra)
+                    sent += len(text)
                 kind, payload = batch[-1]
-                if kind == "delta":
+                if kind in ("delta", "logprobs"):
                     continue
+                if waiting and kind == "done":  # tokens that printed nothing, at the end
+                    empty = "" if job.endpoint == "completions" else None
+                    yield _sse(chunk(job, created, empty, None, logprobs=logprobs_field(job, waiting, sent)) | extra)
                 if kind == "error":
                     yield _sse(payload.body())
                     break
@@ -1201,12 +1278,15 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
 
     async def collect(request: Request, job: Job):
         parts: list[str] = []
+        entries: list[dict] = []
         watcher = asyncio.create_task(watch_disconnect(request, job))
         try:
             while True:
                 kind, payload = await job.events.get()
                 if kind == "delta":
                     parts.append(payload)
+                elif kind == "logprobs":
+                    entries += payload
                 elif kind == "error":
                     raise payload
                 elif kind == "cancelled":  # the client left (nobody reads this) or the server is stopping
@@ -1221,10 +1301,10 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             message = {"role": "assistant", "content": text}
             if payload.get("tool_calls"):
                 message = {"role": "assistant", "content": text or None, "tool_calls": payload["tool_calls"]}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "message": message, "logprobs": logprobs_field(job, entries), "finish_reason": reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs_field(job, entries), "finish_reason": reason}
             obj = "text_completion"
         return {"id": job.id, "object": obj, "created": created, "model": engine.name, "choices": [choice],
                 "usage": usage(payload)}

@@ -21,7 +21,7 @@ import torch
 
 from .lookup import PromptLookup
 from .prefix_cache import PrefixCache, Session, capacity_for
-from .sampling import Sampler
+from .sampling import Sampler, TokenLogprobs
 
 
 @dataclass
@@ -121,6 +121,7 @@ def generate_tokens(
     lookup_costs: dict[int, float] | None = None,
     prefix: PrefixCache | None = None,
     prefill_chunk: int | None = None,
+    logprobs: TokenLogprobs | None = None,
 ) -> Iterator[int]:
     """Yield the target's tokens one by one as they are decided; stop after a stop token or
     `max_new_tokens`. With a drafter, decide them by speculative decoding; `stats` is filled in.
@@ -135,10 +136,11 @@ def generate_tokens(
     (`prefix_cache.py`; reused keys/values came from passes of other widths, which in float32 round
     differently, as verify and decode passes do). `prefill_chunk`: run the prompt in passes of at most
     this many tokens (bounds the prefill's peak memory on long prompts). Output depends on none of these.
+    `logprobs`: filled with each token's log-probability (and top alternatives) before it is yielded.
     """
     args = dict(max_new_tokens=max_new_tokens, drafter=drafter, block_size=block_size,
                 stop_token_ids=stop_token_ids, sampler=sampler, stats=stats, controller=controller,
-                lookup=lookup, lookup_costs=lookup_costs, prefill_chunk=prefill_chunk)
+                lookup=lookup, lookup_costs=lookup_costs, prefill_chunk=prefill_chunk, logprobs=logprobs)
     if prefix is None:
         yield from _generate(target, prompt, session=None, **args)
         return
@@ -159,7 +161,7 @@ def generate_tokens(
 def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_size: int | None,
               stop_token_ids, sampler: Sampler | None, stats: Stats | None, controller, lookup: bool,
               lookup_costs: dict[int, float] | None, session: Session | None,
-              prefill_chunk: int | None) -> Iterator[int]:
+              prefill_chunk: int | None, logprobs: TokenLogprobs | None) -> Iterator[int]:
     stats = stats if stats is not None else Stats()
     sampler = sampler or Sampler()
     device = target.embed_tokens.weight.device
@@ -194,6 +196,8 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
     stats.generated_tokens = 1
     stats.cycles = 0 if speculative or lookup else 1
     t0 = time.perf_counter()
+    if logprobs is not None:
+        logprobs.add(logits.view(1, -1), [token])
     yield token
     if token in stops or max_new_tokens == 1:
         return
@@ -204,6 +208,8 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
             stats.cycles += 1
             stats.generated_tokens += 1
             stats.decode_s = time.perf_counter() - t0
+            if logprobs is not None:
+                logprobs.add(out.logits[0], [token])
             yield token
             if token in stops or stats.generated_tokens >= max_new_tokens:
                 return
@@ -288,6 +294,8 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
             finder.observe_cost(bs, now - t_cycle)
         if finder is not None:
             finder.extend(new)
+        if logprobs is not None:  # token i of `new` was chosen from row i of the verify pass
+            logprobs.add(out.logits[0], new)
         for t in new:
             yield t
         token = new[-1]

@@ -10,6 +10,7 @@ import torch
 from dflash_torch import loading
 from dflash_torch.cache import KVCache
 from dflash_torch.drafter import load_drafter
+from dflash_torch.sampling import TokenLogprobs
 from dflash_torch.speculative import Stats, generate_tokens
 
 from .conftest import make_drafter
@@ -171,3 +172,54 @@ def test_block_size_controller_keeps_output(models_and_drafters):
             got, stats = _run(target, prompt, 50, d, 16, controller=SwitchingController())
             assert got == ref, kind
             assert 1 in stats.acceptance_lengths  # target-only steps happened
+
+
+def _logprob_runs(target, drafter, prompt, n, top=4):
+    """(tokens, entries) of target-only decoding, then of speculative runs with the drafter (block
+    sizes 2 and 16, with and without prompt lookup)."""
+    ref = TokenLogprobs(top)
+    runs = [(list(generate_tokens(target, prompt, max_new_tokens=n, logprobs=ref)), ref.entries)]
+    for bs in (2, 16):
+        for lookup in (False, True):
+            got = TokenLogprobs(top)
+            toks = list(generate_tokens(target, prompt, max_new_tokens=n, drafter=drafter, block_size=bs,
+                                        lookup=lookup, logprobs=got))
+            runs.append((toks, got.entries))
+    return runs
+
+
+def test_logprobs_equal_target_only(models_and_drafters):
+    """Each token's log-probability and best alternatives are the target's at that position, whichever
+    pass decided it: the first token's prefill, decode steps, verify passes of a drafter or of lookup."""
+    rng = random.Random(1)
+    for kind, target, drafter in models_and_drafters:
+        vocab = target.config.vocab_size
+        for _ in range(3):
+            prompt = [rng.randrange(vocab - 1) for _ in range(rng.randint(2, 12))]
+            truth, _ = _run(target, prompt, 40)
+            oracle = OracleDrafter(truth, len(prompt), vocab, 0.1, 16)
+            for d in (drafter, oracle):
+                (want, ref), *runs = _logprob_runs(target, d, prompt, 30)
+                for toks, entries in runs:
+                    if toks != want:
+                        assert not clear_margins(target, prompt, want), kind
+                        continue
+                    assert len(entries) == len(toks) == 30
+                    for (lp, ids, vals), (lp0, ids0, vals0) in zip(entries, ref):
+                        assert abs(lp - lp0) < 1e-4 and max(abs(a - b) for a, b in zip(vals, vals0)) < 1e-4, kind
+                        assert ids[0] == ids0[0] and len(ids) == 4
+
+
+def test_logprobs_bit_exact_with_quantized_weights(tiny_models):
+    """With int4 weights a verify pass reproduces decode steps bit for bit, and so do the logprobs."""
+    from dflash_torch.quantize import quantize_int4
+
+    target = loading.load_target(tiny_models["llama"], torch.device("cpu"), torch.float32)
+    quantize_int4(target)
+    prompt = list(range(5, 14))
+    truth, _ = _run(target, prompt, 40)
+    for p in (0.0, 0.3):
+        (want, ref), *runs = _logprob_runs(target, OracleDrafter(truth, len(prompt), target.config.vocab_size, p, 16),
+                                           prompt, 30)
+        for toks, entries in runs:
+            assert toks == want and entries == ref

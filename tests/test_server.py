@@ -221,6 +221,107 @@ def test_stop_strings_are_cut_streamed_or_not(server, pipe):
     assert "@" not in r["choices"][0]["text"]
 
 
+def _reference_logprobs(pipe: Pipeline, ids: list[int], n: int, top: int) -> list[tuple]:
+    """(token, logprob, top ids) of target-only greedy decoding, from one full pass over the output."""
+    tokens = solo_ids(pipe, ids, n)
+    cache = pipe.target.new_cache(len(ids) + n)
+    logits = pipe.target(torch.tensor([ids + tokens]), cache, logits="all").logits[0, len(ids) - 1 : -1]
+    lp = logits.float().log_softmax(-1)
+    return [(t, lp[i, t].item(), lp[i].topk(top).indices.tolist()) for i, t in enumerate(tokens)]
+
+
+def solo_ids(pipe: Pipeline, ids: list[int], n: int) -> list[int]:
+    return list(generate_tokens(pipe.target, ids, max_new_tokens=n, stop_token_ids=pipe.stop_token_ids))
+
+
+def test_logprobs(server, pipe):
+    """Each token's log-probability under the target, streamed or not, chat or completions, with the
+    drafter and prompt lookup on: what one target pass over the same output gives."""
+    c = client(server)
+    ids = pipe.encode_messages(MSGS)
+    ref = _reference_logprobs(pipe, ids, 40, 3)
+    r = c.chat.completions.create(model="t", messages=MSGS, max_tokens=40, logprobs=True, top_logprobs=3)
+    got = r.choices[0].logprobs.content
+    # special tokens are in the entries (by name) but not in the text, as the text skips them
+    assert len(got) == 40 and "".join(e.token for e in got if e.token not in SPECIALS) == r.choices[0].message.content
+    assert any(e.token in SPECIALS for e in got)  # this random model does emit some
+    for e, (t, lp, top) in zip(got, ref):
+        assert e.token == pipe.token_bytes(t).decode() and bytes(e.bytes) == e.token.encode()
+        assert abs(e.logprob - lp) < 1e-4 and len(e.top_logprobs) == 3
+        assert [x.token for x in e.top_logprobs] == [pipe.token_bytes(i).decode() for i in top]
+        assert e.top_logprobs[0].logprob >= e.logprob - 1e-6  # greedy: the chosen token is the best
+    s = c.chat.completions.create(model="t", messages=MSGS, max_tokens=40, logprobs=True, top_logprobs=3,
+                                  stream=True)
+    streamed = [e for ch in s if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in got]
+    # float32: verify passes of other widths round differently (the prefix cache and the widths differ)
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, got))
+    r = c.chat.completions.create(model="t", messages=MSGS, max_tokens=10, logprobs=True)
+    assert [e.top_logprobs for e in r.choices[0].logprobs.content] == [[]] * 10
+    assert c.chat.completions.create(model="t", messages=MSGS, max_tokens=5).choices[0].logprobs is None
+
+    prompt = "Once upon a time"
+    ref = _reference_logprobs(pipe, pipe.encode(prompt, chat=False), 30, 2)
+    r = c.completions.create(model="t", prompt=prompt, max_tokens=30, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(t for t in lp.tokens if t not in SPECIALS) == r.choices[0].text and len(lp.tokens) == 30
+    assert all(abs(a - b[1]) < 1e-4 for a, b in zip(lp.token_logprobs, ref))
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(30)]
+    assert all(len(d) <= 2 and max(d.values()) >= v - 1e-6 for d, v in zip(lp.top_logprobs, lp.token_logprobs))
+    s = c.completions.create(model="t", prompt=prompt, max_tokens=30, logprobs=2, stream=True)
+    chunks = [ch.choices[0].logprobs for ch in s if ch.choices[0].logprobs]
+    assert [t for x in chunks for t in x.tokens] == lp.tokens
+    assert [o for x in chunks for o in x.text_offset] == lp.text_offset
+
+    # a stop string: no entry for the token that completes it or for text held back before it
+    full = solo(pipe, ids, 60)
+    stop = full[25:28]
+    for stream in (False, True):
+        body = {"messages": MSGS, "max_tokens": 60, "stop": [stop], "logprobs": True, "stream": stream}
+        if stream:
+            with httpx.stream("POST", server + "/v1/chat/completions", json=body) as resp:
+                text, chunks = sse_text(resp.iter_lines())
+            entries = [e for ch in chunks if ch.get("choices") and ch["choices"][0]["logprobs"]
+                       for e in ch["choices"][0]["logprobs"]["content"]]
+        else:
+            out = httpx.post(server + "/v1/chat/completions", json=body).json()["choices"][0]
+            text, entries = out["message"]["content"], out["logprobs"]["content"]
+        assert text == full[: full.find(stop)]
+        assert "".join(e["token"] for e in entries if e["token"] not in SPECIALS) == text
+
+
+def test_generate_command_logprobs(pipe, chat_model, capsys):
+    base = ["generate", "--model", str(chat_model[0]), "--draft", str(chat_model[1]), "--device", "cpu",
+            "--prompt", "Hello", "--max-tokens", "12"]
+    assert cli.main(base + ["--json", "--logprobs", "2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ref = _reference_logprobs(pipe, pipe.encode("Hello"), 12, 2)
+    assert [e["token_id"] for e in out["logprobs"]] == out["token_ids"] == [t for t, _, _ in ref]
+    for e, (t, lp, top) in zip(out["logprobs"], ref):
+        assert abs(e["logprob"] - lp) < 1e-4 and [x["token_id"] for x in e["top_logprobs"]] == top
+        assert e["token"] == pipe.token_bytes(t).decode()
+    for bad in (["--logprobs", "2"], ["--json", "--logprobs", "21"]):  # needs --json; at most 20
+        assert cli.main(base + bad) == 2
+        assert "--logprobs" in capsys.readouterr().err
+
+
+def test_token_bytes_of_a_byte_level_tokenizer(chat_model, tmp_path):
+    """Byte-level BPE pieces map back to their bytes, also a piece that holds part of a character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    table = {chr(b) if 33 <= b < 127 else None: b for b in range(256)}
+    del table[None]
+    vocab = {"\u00c3": 0, "\u00a9": 1, "\u0120w": 2, "\u00c3\u00a9": 3} | {ch: 4 + i for i, ch in enumerate(table)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    p = dataclasses.replace(Pipeline(None, fast, [], tmp_path, "t"))
+    assert [p.token_bytes(i) for i in range(4)] == [b"\xc3", b"\xa9", b" w", "é".encode()]
+    assert p.token_bytes(vocab["a"]) == b"a"
+
+
 def test_text_stream_holds_back_stop_prefixes():
     pipe = type("P", (), {"decode": staticmethod(lambda ids: "".join(map(chr, ids)))})()
     ts = TextStream(pipe, ["<stop>", "xyz"])
@@ -314,7 +415,12 @@ BAD = [  # (path, body: dict or raw bytes, status, param)
     ("/v1/chat/completions", {"messages": OK_MSGS, "stop": "a" * 257}, 400, "stop"),
     ("/v1/chat/completions", {"messages": OK_MSGS, "stream": "yes"}, 400, "stream"),
     ("/v1/chat/completions", {"messages": OK_MSGS, "stream_options": "x"}, 400, "stream_options"),
-    ("/v1/chat/completions", {"messages": OK_MSGS, "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "logprobs": 1}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "logprobs": -1}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": OK_MSGS, "model": 5}, 400, "model"),
     ("/v1/completions", {}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
