@@ -221,12 +221,12 @@ def peak_memory_mb(device) -> float | None:
 
 def run_ours(pipe, ids: list[int], max_tokens: int, use_draft: bool, args) -> tuple[Timing, object, list[int]]:
     """One generation through this package: (timing, Stats, token ids)."""
+    from .cli import sampler_from_args
     from .generate import stream
-    from .sampling import Sampler
     from .speculative import Stats
 
     stats = Stats()
-    sampler = Sampler(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)  # fresh: same seed each run
+    sampler = sampler_from_args(args)  # fresh: same seed each run
     controller = fallback = None
     if use_draft and getattr(args, "fallback", False) and pipe.drafter is not None:
         from .fallback import FallbackController

@@ -28,16 +28,16 @@ def add_parser(sub) -> None:
 def cmd_chat(args: argparse.Namespace) -> int:
     """Read messages from stdin, stream replies to stdout, one statistics line per reply to stderr."""
     from .adaptive import use_adaptive
+    from .cli import sampler_from_args
     from .fallback import FallbackController
     from .generate import Detokenizer, check_lengths, load
     from .prefix_cache import PrefixCache
     from .quantize import exact_prefill
-    from .sampling import Sampler
     from .speculative import Stats, generate_tokens
 
     if args.max_tokens < 1 or (args.prefill_step_size is not None and args.prefill_step_size < 1):
         raise ValueError("--max-tokens and --prefill-step-size must be >= 1")
-    sampler = Sampler(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
+    sampler = sampler_from_args(args)
     pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
                 cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab)
     pipe._need_tokenizer()  # chat is text: a model without a tokenizer cannot take part

@@ -46,6 +46,30 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of every token the output already has (OpenAI's)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted from a token's logit once per occurrence in the output (OpenAI's)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="tokens of the prompt or the output: a positive logit divided by it, a negative one "
+                        "multiplied (transformers'; 1 = off)")
+    p.add_argument("--logit-bias", type=json_object, default=None, metavar="JSON",
+                   help='added to the logits of token ids, e.g. \'{"2": -100}\'')
+
+
+def sampler_from_args(args: argparse.Namespace):
+    """The Sampler the sampling flags describe (a fresh one: its random generator starts at --seed)."""
+    from .sampling import Sampler
+
+    bias = None
+    if args.logit_bias:
+        try:
+            bias = {int(k): float(v) for k, v in args.logit_bias.items()}
+        except (TypeError, ValueError):
+            raise ValueError("--logit-bias maps token ids to numbers, e.g. '{\"2\": -100}'") from None
+    return Sampler(args.temperature, args.top_p, args.top_k, args.min_p, args.seed,
+                   presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                   repetition_penalty=args.repetition_penalty, logit_bias=bias)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -69,7 +93,7 @@ def json_object(text: str) -> dict:
 def cmd_generate(args: argparse.Namespace) -> int:
     from .adaptive import use_adaptive
     from .generate import Detokenizer, load, stream
-    from .sampling import Sampler, TokenLogprobs
+    from .sampling import TokenLogprobs
     from .speculative import Stats
 
     if args.text is not None:
@@ -78,7 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.prompt = args.text
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
-    sampler = Sampler(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
+    sampler = sampler_from_args(args)
     pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
                 cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab)
     if args.prompt_ids is not None:

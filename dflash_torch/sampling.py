@@ -17,6 +17,21 @@ from dataclasses import dataclass, field
 import torch
 
 
+class History:
+    """What the penalties look at: how often each token occurred in the output [V], and whether it
+    occurred in the prompt or the output [V]."""
+
+    def __init__(self, prompt: list[int], vocab_size: int, device: torch.device) -> None:
+        self.counts = torch.zeros(vocab_size, device=device)
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.seen[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+
+    def add(self, tokens: list[int]) -> None:
+        t = torch.tensor(tokens, dtype=torch.long, device=self.counts.device)
+        self.counts.index_add_(0, t, torch.ones(len(tokens), device=t.device))
+        self.seen[t] = True
+
+
 @dataclass
 class TokenLogprobs:
     """Collects, for each emitted token, its log-probability under the target's own distribution
@@ -54,6 +69,13 @@ class Sampler:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    # OpenAI's penalties on tokens generated so far (subtracted from the logits: presence once, frequency
+    # per occurrence), the repetition penalty of transformers/vLLM on tokens of the prompt or the output
+    # (a logit above 0 divided by it, one below multiplied), and a bias added to given token ids' logits
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -64,7 +86,40 @@ class Sampler:
             raise ValueError("top_k must be >= 0")
         if not 0 <= self.min_p < 1:
             raise ValueError("min_p must be in [0, 1)")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
         self._generator: torch.Generator | None = None
+        self._bias: torch.Tensor | None = None
+
+    @property
+    def adjusts(self) -> bool:
+        """True when the logits are changed before choosing (penalties or a logit bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
+
+    def adjust(self, logits: torch.Tensor, history: History, drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits [T, V] with the penalties and the bias applied, row i as if drafts[:i] [T - 1]
+        had been generated after `history` (row i decides the token after them, which matters only
+        when they are kept). The reference is one row at a time with the drafts appended to the history."""
+        x = logits.float()
+        if self.logit_bias:
+            if self._bias is None or self._bias.device != x.device or self._bias.shape[0] != x.shape[-1]:
+                self._bias = torch.zeros(x.shape[-1], device=x.device)
+                for t, b in self.logit_bias.items():
+                    self._bias[t] = b
+            x = x + self._bias
+        if not (self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1):
+            return x
+        counts, seen = history.counts, history.seen  # [V]: output occurrences; in the prompt or the output
+        if x.shape[0] > 1:  # the drafts before each row, counted cumulatively
+            grown = torch.zeros(x.shape, device=x.device)  # [T, V]
+            grown[1:].scatter_(1, drafts[: x.shape[0] - 1, None], 1.0)
+            grown = grown.cumsum(0)
+            counts, seen = counts + grown, seen | (grown > 0)
+        if self.repetition_penalty != 1:
+            r = self.repetition_penalty
+            x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        return x - self.frequency_penalty * counts - self.presence_penalty * (counts > 0).float()
 
     @property
     def greedy(self) -> bool:

@@ -46,7 +46,8 @@ ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "
              "/v1/models": "models",
              "/health": "health", "/metrics": "metrics", "/metrics.json": "metrics"}
 # Accepted by OpenAI but not implemented here: refuse rather than silently answer something else.
-UNSUPPORTED = ("echo", "suffix", "functions", "logit_bias", "presence_penalty", "frequency_penalty")
+UNSUPPORTED = ("echo", "suffix", "functions")
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_TOP_LOGPROBS = 20
 
 
@@ -172,7 +173,26 @@ def parse_common(body: dict) -> GenRequest:
     seed = _field(body, "seed", "int")
     if seed is not None and not -(2**63) <= seed < 2**64:
         raise bad("'seed' must fit in 64 bits", "seed")
-    sampler = Sampler(float(temperature), float(top_p), max(top_k, 0), float(min_p), seed)
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        penalties[name] = float(_field(body, name, "number", 0.0))
+        if not -2 <= penalties[name] <= 2:
+            raise bad(f"'{name}' must be in [-2, 2]", name)
+    penalties["repetition_penalty"] = float(_field(body, "repetition_penalty", "number", 1.0))  # vLLM's field
+    if not 0 < penalties["repetition_penalty"] <= 10:
+        raise bad("'repetition_penalty' must be in (0, 10] (1: off)", "repetition_penalty")
+    raw, bias = _field(body, "logit_bias", "object", {}), None
+    if raw:
+        try:
+            bias = {int(k): float(v) for k, v in raw.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        except (TypeError, ValueError):
+            bias = {}
+        if not len(bias) == len(raw) <= MAX_LOGIT_BIAS or not all(t >= 0 and -100 <= v <= 100
+                                                                   for t, v in bias.items()):
+            raise bad(f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]",
+                      "logit_bias")
+    sampler = Sampler(float(temperature), float(top_p), max(top_k, 0), float(min_p), seed, **penalties,
+                      logit_bias=bias)
     return GenRequest(max_tokens, max_tokens_param, stops, _field(body, "stream", "bool", False), include_usage,
                       sampler)
 
@@ -1184,6 +1204,10 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             raise bad(f"the prompt ({len(ids)} tokens) fills the model's context of {pipe.max_context} tokens",
                       prompt_param)
         max_tokens = req.max_tokens if req.max_tokens is not None else min(config.max_tokens, room)
+        bias = req.sampler.logit_bias
+        if bias and max(bias) >= pipe.target.config.vocab_size:
+            raise bad(f"'logit_bias' names token {max(bias)}, beyond the vocabulary "
+                      f"({pipe.target.config.vocab_size} tokens)", "logit_bias")
         try:
             check_lengths(pipe, ids, max_tokens)
         except ValueError as e:

@@ -21,7 +21,7 @@ import torch
 
 from .lookup import PromptLookup
 from .prefix_cache import PrefixCache, Session, capacity_for
-from .sampling import Sampler, TokenLogprobs
+from .sampling import History, Sampler, TokenLogprobs
 
 
 @dataclass
@@ -170,6 +170,9 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
         raise ValueError("block_size must be >= 1")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError("the prefill step size must be >= 1")
+    vocab = target.config.vocab_size
+    if sampler.logit_bias and not all(0 <= t < vocab for t in sampler.logit_bias):
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
     # lookup drafts fill at most the block size too (given, else the drafter's, else 16)
     lookup_width = (block_size or (drafter.block_size if drafter is not None else 16)) - 1
     if drafter is None:
@@ -190,7 +193,15 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
     cache, logits, hidden = _prefill(target, prompt, n + max_new_tokens + block_size, taps, session, device,
                                      prefill_chunk)
     stats.cached_tokens = session.hit.length if session is not None and session.hit else 0
-    token = sampler.sample(logits)[0].item()  # the first token comes from the prefill
+    # penalties and a logit bias change the target's logits by what came before each position
+    history = History(prompt, vocab, device) if sampler.adjusts else None
+
+    def chosen_from(logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
+        return logits if history is None else sampler.adjust(logits, history, drafts)
+
+    token = sampler.sample(chosen_from(logits))[0].item()  # the first token comes from the prefill
+    if history is not None:
+        history.add([token])
     _sync(device)
     stats.prefill_s = time.perf_counter() - t0
     stats.generated_tokens = 1
@@ -204,7 +215,9 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
     if not speculative and not lookup:
         while True:
             out = target(torch.tensor([[token]], device=device), cache, logits="last")
-            token = sampler.sample(out.logits[0])[0].item()
+            token = sampler.sample(chosen_from(out.logits[0]))[0].item()
+            if history is not None:
+                history.add([token])
             stats.cycles += 1
             stats.generated_tokens += 1
             stats.decode_s = time.perf_counter() - t0
@@ -252,13 +265,15 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
             block[0, 1:], draft_probs = sampler.draft(draft_logits[0])
             pending = []  # the drafter's cache holds it now
         out = target(block, cache, logits="all", taps=taps)  # verify: logits at every block position
-        accepted, bonus = sampler.verify(block[0, 1:], out.logits[0], draft_probs)
+        accepted, bonus = sampler.verify(block[0, 1:], chosen_from(out.logits[0], block[0, 1:]), draft_probs)
         new = block[0, 1 : accepted + 1].tolist() + [bonus]
         new = new[:remaining]
         for i, t in enumerate(new):
             if t in stops:
                 new = new[: i + 1]
                 break
+        if history is not None:
+            history.add(new)
         cache.crop(pos + len(new))  # keep token + the accepted drafts; the last new token is not in yet
         if speculative:
             kept = out.hidden[:, : len(new)]

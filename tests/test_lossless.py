@@ -10,7 +10,7 @@ import torch
 from dflash_torch import loading
 from dflash_torch.cache import KVCache
 from dflash_torch.drafter import load_drafter
-from dflash_torch.sampling import TokenLogprobs
+from dflash_torch.sampling import History, Sampler, TokenLogprobs
 from dflash_torch.speculative import Stats, generate_tokens
 
 from .conftest import make_drafter
@@ -223,3 +223,60 @@ def test_logprobs_bit_exact_with_quantized_weights(tiny_models):
                                            prompt, 30)
         for toks, entries in runs:
             assert toks == want and entries == ref
+
+
+PENALTIES = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={5: 2.0, 7: -3.0})
+
+
+@torch.inference_mode()
+def clear_adjusted_margins(target, prompt, completion, sampler, margin: float = 1e-3) -> bool:
+    """clear_margins for the logits after penalties and bias (each row with its own history)."""
+    cache = target.new_cache(len(prompt) + len(completion))
+    logits = target(torch.tensor([prompt + completion]), cache, logits="all").logits[0, len(prompt) - 1:]
+    history = History(prompt, target.config.vocab_size, logits.device)
+    for i, t in enumerate(completion):
+        top = sampler.adjust(logits[i : i + 1], history)[0].topk(2).values
+        if top[0] - top[1] <= margin * top[0].abs().clamp_min(1.0):
+            return False
+        history.add([t])
+    return True
+
+
+def test_penalties_keep_speculative_greedy_equal_to_target_only(models_and_drafters):
+    """Greedy with presence/frequency/repetition penalties and a logit bias: each row of a verify pass
+    is penalised as if the drafts before it had been generated, so speculation (drafter, lookup, a
+    drafter that proposes the penalised output itself) gives target-only's penalised output."""
+    rng = random.Random(2)
+    changed = 0
+    for kind, target, drafter in models_and_drafters:
+        vocab = target.config.vocab_size
+        for _ in range(4):
+            prompt = [rng.randrange(vocab - 1) for _ in range(rng.randint(2, 12))]
+            want = list(generate_tokens(target, prompt, max_new_tokens=40, sampler=Sampler(**PENALTIES)))
+            changed += want != _run(target, prompt, 40)[0]
+            truth = list(generate_tokens(target, prompt, max_new_tokens=60, sampler=Sampler(**PENALTIES)))
+            oracle = OracleDrafter(truth, len(prompt), vocab, 0.0, 16)
+            for d, bs, lookup in ((drafter, 4, False), (drafter, 16, True), (oracle, 16, False)):
+                stats = Stats()
+                got = list(generate_tokens(target, prompt, max_new_tokens=40, drafter=d, block_size=bs,
+                                           lookup=lookup, sampler=Sampler(**PENALTIES), stats=stats))
+                if got != want:
+                    assert not clear_adjusted_margins(target, prompt, want, Sampler(**PENALTIES)), kind
+                    continue
+                if d is oracle:  # the truth is the penalised output: every block kept whole
+                    assert stats.acceptance_rate == 1.0, kind
+    assert changed >= 8  # the penalties do change what greedy decoding picks
+
+
+def test_penalties_bit_exact_with_quantized_weights(tiny_models):
+    from dflash_torch.quantize import quantize_int4
+
+    target = loading.load_target(tiny_models["qwen3"], torch.device("cpu"), torch.float32)
+    quantize_int4(target)
+    for prompt in ([3, 9, 27], list(range(20, 34))):
+        want = list(generate_tokens(target, prompt, max_new_tokens=40, sampler=Sampler(**PENALTIES)))
+        truth = list(generate_tokens(target, prompt, max_new_tokens=60, sampler=Sampler(**PENALTIES)))
+        for p in (0.0, 0.3):
+            d = OracleDrafter(truth, len(prompt), target.config.vocab_size, p, 16)
+            assert list(generate_tokens(target, prompt, max_new_tokens=40, drafter=d, lookup=True,
+                                        sampler=Sampler(**PENALTIES))) == want

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from dflash_torch.sampling import Sampler
+from dflash_torch.sampling import History, Sampler
 from dflash_torch.speculative import Stats, generate_tokens
 
 from .conftest import SMALL_VOCAB
@@ -26,6 +26,11 @@ def _exact_joint(target, prompt, sampler) -> dict[tuple, float]:
         for prefix, pr in probs.items():
             cache = target.new_cache(len(prompt) + K)
             logits = target(torch.tensor([prompt + list(prefix)]), cache, logits="last").logits[0]
+            if sampler.adjusts:  # the reference: one row, its whole history
+                history = History(prompt, VOCAB, logits.device)
+                if prefix:
+                    history.add(list(prefix))
+                logits = sampler.adjust(logits, history)
             p = sampler.probs(logits)[0]
             for t in range(VOCAB):
                 if p[t] > 0:
@@ -67,6 +72,8 @@ SETTINGS = [
     {"temperature": 1.0},
     {"temperature": 0.7, "top_p": 0.9},
     {"temperature": 1.3, "top_k": 3},
+    {"temperature": 1.0, "presence_penalty": 0.8, "frequency_penalty": 0.5, "repetition_penalty": 1.5,
+     "logit_bias": {1: 1.0, 3: -2.0}},
 ]
 
 
@@ -134,6 +141,25 @@ def test_probs_filters():
         Sampler(-1.0)
     with pytest.raises(ValueError):
         Sampler(1.0, top_p=0.0)
+
+
+def test_penalties_and_bias():
+    """adjust() on a block's rows = one row at a time with the drafts before it added to the history."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -0.5]]).repeat(4, 1)
+    s = Sampler(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias={4: 10.0})
+    history = History([0], 5, torch.device("cpu"))  # token 0 in the prompt: only the repetition penalty
+    history.add([3, 3])
+    row = s.adjust(logits[:1], history)[0]
+    assert row.tolist() == [1.0, -1.0, 0.5, 1.5 - 0.25 * 2 - 0.5, 9.5]
+    drafts = torch.tensor([1, 3, 1])
+    block = s.adjust(logits, history, drafts)
+    for i in range(4):
+        h = History([0], 5, torch.device("cpu"))
+        h.add([3, 3] + drafts[:i].tolist())
+        assert torch.equal(block[i], s.adjust(logits[i : i + 1], h)[0]), i
+    assert not Sampler().adjusts and Sampler(logit_bias={1: 0.5}).adjusts
+    with pytest.raises(ValueError):
+        Sampler(repetition_penalty=0.0)
 
 
 def test_seeded_generate_cli_is_reproducible(zlab, capsys):

@@ -290,6 +290,43 @@ def test_logprobs(server, pipe):
         assert "".join(e["token"] for e in entries if e["token"] not in SPECIALS) == text
 
 
+def test_penalties_and_logit_bias(server, pipe):
+    """OpenAI's presence/frequency penalties, vLLM's repetition_penalty and logit_bias: the server (drafter
+    and prompt lookup on) gives what target-only decoding with the same settings gives."""
+    from dflash_torch.sampling import Sampler
+
+    c = client(server)
+    ids = pipe.encode_messages(MSGS)
+    settings = {"presence_penalty": 0.7, "frequency_penalty": 0.5}
+    extra = {"repetition_penalty": 1.3, "logit_bias": {"40": 2.5, "41": -100}}
+    want = generate(pipe, ids, 40, use_draft=False, sampler=Sampler(
+        **settings, repetition_penalty=1.3, logit_bias={40: 2.5, 41: -100})).text
+    assert want != solo(pipe, ids, 40)  # they change the output
+    r = c.chat.completions.create(model="t", messages=MSGS, max_tokens=40, extra_body=extra, **settings)
+    assert r.choices[0].message.content == want
+    x = pipe.tokenizer.convert_tokens_to_ids("x")
+    r = c.completions.create(model="t", prompt="Once upon", max_tokens=12, logit_bias={str(x): 100})
+    assert r.choices[0].text == "x" * 12
+
+
+def test_generate_command_penalties(pipe, chat_model, capsys):
+    from dflash_torch.sampling import Sampler
+
+    base = ["generate", "--model", str(chat_model[0]), "--draft", str(chat_model[1]), "--device", "cpu",
+            "--prompt", "Hello", "--max-tokens", "20", "--json"]
+    assert cli.main(base + ["--presence-penalty", "0.8", "--repetition-penalty", "1.2"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]
+    want = generate(pipe, pipe.encode("Hello"), 20, use_draft=False,
+                    sampler=Sampler(presence_penalty=0.8, repetition_penalty=1.2)).token_ids
+    assert got == want
+    x = pipe.tokenizer.convert_tokens_to_ids("x")
+    assert cli.main(base + ["--logit-bias", json.dumps({str(x): 100})]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"] == "x" * 20
+    for bad in ('{"a": 1}', '{"100000": 1}'):
+        assert cli.main(base + ["--logit-bias", bad]) == 2
+        assert "logit" in capsys.readouterr().err
+
+
 def test_generate_command_logprobs(pipe, chat_model, capsys):
     base = ["generate", "--model", str(chat_model[0]), "--draft", str(chat_model[1]), "--device", "cpu",
             "--prompt", "Hello", "--max-tokens", "12"]
@@ -418,7 +455,15 @@ BAD = [  # (path, body: dict or raw bytes, status, param)
     ("/v1/chat/completions", {"messages": OK_MSGS, "logprobs": 1}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": OK_MSGS, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": OK_MSGS, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": OK_MSGS, "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "logit_bias": {"5": "1"}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "logit_bias": {"-1": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "logit_bias": {"100000": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "logit_bias": [1]}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "frequency_penalty": "a"}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "a", "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "a", "logprobs": -1}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": OK_MSGS, "model": 5}, 400, "model"),
