@@ -98,28 +98,30 @@ class Sampler:
                     or self.logit_bias)
 
     def adjust(self, logits: torch.Tensor, history: History, drafts: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits [T, V] with the penalties and the bias applied, row i as if drafts[:i] [T - 1]
-        had been generated after `history` (row i decides the token after them, which matters only
-        when they are kept). The reference is one row at a time with the drafts appended to the history."""
-        x = logits.float()
+        """The logits [T, V] with the bias and the penalties applied, row i as if drafts[:i] [T - 1] had
+        been generated after `history` (row i decides the token after them, which matters only when
+        they are kept). Equal to adjusting one row at a time with the drafts appended to the history."""
+        x = logits.float().clone()
         if self.logit_bias:
-            if self._bias is None or self._bias.device != x.device or self._bias.shape[0] != x.shape[-1]:
-                self._bias = torch.zeros(x.shape[-1], device=x.device)
-                for t, b in self.logit_bias.items():
-                    self._bias[t] = b
-            x = x + self._bias
+            if self._bias is None or self._bias[0].device != x.device:
+                ids, values = zip(*self.logit_bias.items())
+                self._bias = (torch.tensor(ids, device=x.device), torch.tensor(values, device=x.device))
+            x[:, self._bias[0]] += self._bias[1]
         if not (self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1):
             return x
-        counts, seen = history.counts, history.seen  # [V]: output occurrences; in the prompt or the output
-        if x.shape[0] > 1:  # the drafts before each row, counted cumulatively
-            grown = torch.zeros(x.shape, device=x.device)  # [T, V]
-            grown[1:].scatter_(1, drafts[: x.shape[0] - 1, None], 1.0)
-            grown = grown.cumsum(0)
-            counts, seen = counts + grown, seen | (grown > 0)
+        # Only tokens seen so far or drafted before a row are penalised: work on those columns alone.
+        d = drafts[: x.shape[0] - 1] if drafts is not None else x.new_zeros(0, dtype=torch.long)
+        cols = torch.cat([history.seen.nonzero()[:, 0], d]).unique()  # [C]
+        before = (cols[:, None] == d[None, :]).float().cumsum(1)  # [C, T - 1]: drafts up to each one
+        before = torch.cat([before.new_zeros(len(cols), 1), before], 1).T  # [T, C]: drafts before each row
+        counts = history.counts[cols] + before  # [T, C] occurrences in the output
+        seen = history.seen[cols] | (before > 0)
+        v = x[:, cols]
         if self.repetition_penalty != 1:
             r = self.repetition_penalty
-            x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-        return x - self.frequency_penalty * counts - self.presence_penalty * (counts > 0).float()
+            v = torch.where(seen, torch.where(v > 0, v / r, v * r), v)
+        x[:, cols] = v - self.frequency_penalty * counts - self.presence_penalty * (counts > 0).float()
+        return x
 
     @property
     def greedy(self) -> bool:
