@@ -231,6 +231,22 @@ def stream(
     )
 
 
+@torch.inference_mode()
+def prompt_logprobs(pipe: Pipeline, prompt_ids: list[int], top: int = 0, chunk: int = 256) -> TokenLogprobs:
+    """Each prompt token's log-probability given the tokens before it (entries for prompt_ids[1:]; the
+    first token has none), with its `top` best alternatives: one target pass over the prompt, in
+    pieces of `chunk` tokens so that only [chunk, V] logits exist at a time."""
+    check_lengths(pipe, prompt_ids, 1)
+    out = TokenLogprobs(top)
+    cache = pipe.target.new_cache(len(prompt_ids))
+    for i in range(0, len(prompt_ids) - 1, chunk):
+        piece = prompt_ids[i : i + chunk]
+        logits = pipe.target(torch.tensor([piece], device=pipe.device), cache, logits="all").logits[0]
+        nxt = prompt_ids[i + 1 : i + 1 + chunk]  # the token each position predicts
+        out.add(logits, nxt)
+    return out
+
+
 def check_lengths(pipe: Pipeline, prompt_ids: list[int], max_tokens: int) -> None:
     """Raise ValueError for an empty prompt, bad ids, max_tokens < 1 or a request beyond the context."""
     if not prompt_ids:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
 from .fallback import FallbackController
-from .generate import Detokenizer, Pipeline, check_lengths, load
+from .generate import Detokenizer, Pipeline, check_lengths, load, prompt_logprobs
 from .prefix_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DiskStore, PrefixCache
 from .quantize import exact_prefill
 from .sampling import Sampler, TokenLogprobs
@@ -46,7 +46,7 @@ ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "
              "/v1/models": "models",
              "/health": "health", "/metrics": "metrics", "/metrics.json": "metrics"}
 # Accepted by OpenAI but not implemented here: refuse rather than silently answer something else.
-UNSUPPORTED = ("echo", "suffix", "functions")
+UNSUPPORTED = ("suffix", "functions")
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_TOP_LOGPROBS = 20
 
@@ -135,8 +135,9 @@ class GenRequest:
     logprobs: int | None = None  # None: not asked for; k: each token's log-probability and its k best
 
 
-def parse_common(body: dict) -> GenRequest:
-    """Validate the sampling, length, stop and streaming fields of a request body."""
+def parse_common(body: dict, min_tokens: int = 1) -> GenRequest:
+    """Validate the sampling, length, stop and streaming fields of a request body (`min_tokens`: the
+    least max_tokens allowed; 0 for a completion that echoes the prompt, to score it)."""
     _field(body, "model", "str")
     for name in UNSUPPORTED:
         if body.get(name):
@@ -147,8 +148,8 @@ def parse_common(body: dict) -> GenRequest:
     for name in ("max_tokens", "max_completion_tokens"):  # the newer name wins when both are given
         value = _field(body, name, "int")
         if value is not None:
-            if value < 1:
-                raise bad(f"'{name}' must be >= 1, got {value}", name)
+            if value < min_tokens:
+                raise bad(f"'{name}' must be >= {min_tokens}, got {value}", name)
             max_tokens, max_tokens_param = value, name
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
@@ -234,7 +235,8 @@ def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
         offsets.append(offset)
         offset += len(e["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} if e["logprob"] is not None
+                             else None for e in entries],
             "text_offset": offsets}
 
 
@@ -325,8 +327,9 @@ def parse_tools(body: dict) -> list[dict] | None:
 
 
 def parse_prompt(value) -> str | list[int]:
-    """A completions prompt: a string, a list holding one string, or a list of token ids."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+    """A completions prompt: a string, a list of token ids, or a list holding one of these (a batch of
+    one, as evaluation harnesses send)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
     if isinstance(value, str):
         if not value:
@@ -492,6 +495,7 @@ class Job:
     fastpath: bool = False
     tools: list[dict] | None = None  # tools shown to the model: its text is parsed for calls
     logprobs: int | None = None  # GenRequest.logprobs
+    echo: str | None = None  # completions' echo: this text (the prompt) comes before the completion
     tool_calls: list[dict] = field(default_factory=list)
     id: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -729,7 +733,14 @@ class Engine:
             prefix=self.prefix, prefill_chunk=self.config.prefill_step_size, logprobs=lp,
         )
         try:
-            for token in gen:
+            if job.echo is not None:
+                if lp is not None:  # the prompt's tokens scored: the first has nothing before it
+                    scored = prompt_logprobs(pipe, job.prompt_ids, job.logprobs)
+                    with self.tokenizer_lock:
+                        job.emit("logprobs", [logprob_entry(pipe, job.prompt_ids[0], None, [], [])] + [
+                            logprob_entry(pipe, t, *e) for t, e in zip(job.prompt_ids[1:], scored.entries)])
+                job.emit("delta", job.echo)
+            for token in gen if job.max_tokens > 0 else ():
                 job.first_token = job.first_token or time.perf_counter()
                 job.completion_tokens += 1
                 with self.tokenizer_lock:
@@ -1098,6 +1109,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
     async def chat_answer(request: Request, body: dict, streamer=None):
         """A chat completions body -> its answer (a stream, or the chat.completion object). `streamer(job,
         req)`: the server-sent events of a streamed answer (default: chat completion chunks)."""
+        if body.get("echo"):
+            raise bad("'echo' belongs to /v1/completions", "echo")
         req = parse_common(body)
         req.logprobs = parse_logprobs(body, "chat")
         messages = parse_messages(body.get("messages"))
@@ -1186,17 +1199,20 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request_body(request)
-        req = parse_common(body)
+        echo = _field(body, "echo", "bool", False)
+        req = parse_common(body, min_tokens=0 if echo else 1)
         req.logprobs = parse_logprobs(body, "completions")
         for name in ("tools", "tool_choice", "chat_template_kwargs", "messages"):  # chat fields: not here
             if body.get(name) is not None:
                 raise bad(f"'{name}' belongs to /v1/chat/completions, not /v1/completions", name)
         prompt = parse_prompt(body.get("prompt"))
         ids = await asyncio.to_thread(engine.encode, prompt=prompt)
-        return await respond(request, "completions", req, ids)
+        return await respond(request, "completions", req, ids, echo=prompt if isinstance(prompt, str) else None,
+                             echo_ids=echo)
 
     async def respond(request: Request, endpoint: str, req: GenRequest, ids: list[int],
-                      tools: list[dict] | None = None, streamer=None):
+                      tools: list[dict] | None = None, streamer=None, echo: str | None = None,
+                      echo_ids: bool = False):
         pipe = engine.ready()
         prompt_param = "messages" if endpoint == "chat" else "prompt"
         room = pipe.max_context - len(ids)
@@ -1209,11 +1225,13 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             raise bad(f"'logit_bias' names token {max(bias)}, beyond the vocabulary "
                       f"({pipe.target.config.vocab_size} tokens)", "logit_bias")
         try:
-            check_lengths(pipe, ids, max_tokens)
+            check_lengths(pipe, ids, max(max_tokens, 1))  # 0: echo the prompt only (scored, not continued)
         except ValueError as e:
             raise bad(str(e), req.max_tokens_param if "max_tokens" in str(e) else prompt_param) from None
         job = Job(endpoint, ids, max_tokens, req.sampler, req.stops, asyncio.get_running_loop(),
                   fastpath=max_tokens <= config.fastpath_max_tokens, tools=tools, logprobs=req.logprobs)
+        if echo_ids:  # the prompt as given (text), or as its tokens decode
+            job.echo = echo if echo is not None else pipe.decode(ids)
         engine.submit(job)
         if req.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

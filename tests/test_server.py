@@ -309,6 +309,58 @@ def test_penalties_and_logit_bias(server, pipe):
     assert r.choices[0].text == "x" * 12
 
 
+def test_echo_scores_the_prompt(server, pipe):
+    """Completions with echo: the prompt comes back before the completion, and with logprobs each prompt
+    token's log-probability given the ones before it (none for the first), as evaluation harnesses
+    (lm-eval's loglikelihood: echo, logprobs 1, max_tokens 0 or 1, a batch of one token list) read it."""
+    c = client(server)
+    text = "Once upon a time there"
+    ids = pipe.encode(text, chat=False)
+    cache = pipe.target.new_cache(len(ids))
+    lp = pipe.target(torch.tensor([ids]), cache, logits="all").logits[0].float().log_softmax(-1)
+    want = [lp[i, t].item() for i, t in enumerate(ids[1:])]
+
+    r = c.completions.create(model="t", prompt=text, max_tokens=0, echo=True, logprobs=1)
+    out = r.choices[0]
+    assert out.text == text and r.usage.completion_tokens == 0 and out.finish_reason == "length"
+    assert out.logprobs.token_logprobs[0] is None and out.logprobs.top_logprobs[0] is None
+    assert all(abs(a - b) < 1e-4 for a, b in zip(out.logprobs.token_logprobs[1:], want))
+    assert len(out.logprobs.tokens) == len(ids) and "".join(out.logprobs.tokens) == text
+    greedy = [lp[i].argmax().item() == t for i, t in enumerate(ids[1:])]  # is_greedy, as lm-eval checks it
+    assert [max(d, key=d.get) == tok for d, tok in zip(out.logprobs.top_logprobs[1:], out.logprobs.tokens[1:])] \
+        == greedy
+
+    # one token list in a list; one new token: the prompt's entries, then the completion's
+    body = {"prompt": [ids], "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
+    r = httpx.post(server + "/v1/completions", json=body).json()["choices"][0]
+    assert r["text"] == pipe.decode(ids) + solo(pipe, ids, 1) and len(r["logprobs"]["tokens"]) == len(ids) + 1
+    assert all(abs(a - b) < 1e-4 for a, b in zip(r["logprobs"]["token_logprobs"][1:-1], want))
+    with httpx.stream("POST", server + "/v1/completions", json=body | {"stream": True}) as resp:
+        streamed, chunks = sse_text(resp.iter_lines())
+    assert streamed == r["text"]
+    assert [t for ch in chunks if ch["choices"][0]["logprobs"] for t in ch["choices"][0]["logprobs"]["tokens"]] \
+        == r["logprobs"]["tokens"]
+    r = c.completions.create(model="t", prompt=text, max_tokens=5, echo=True)  # echo alone: text only
+    assert r.choices[0].text == text + solo(pipe, ids, 5) and r.choices[0].logprobs is None
+    for body, param in (({"prompt": text, "max_tokens": 0}, "max_tokens"),  # 0 only with echo
+                        ({"prompt": text, "echo": "yes"}, "echo")):
+        r = httpx.post(server + "/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": MSGS, "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+def test_prompt_logprobs_in_pieces(pipe):
+    from dflash_torch.generate import prompt_logprobs
+
+    ids = pipe.encode("The quick brown fox jumps over the lazy dog", chat=False)
+    whole, pieces = prompt_logprobs(pipe, ids, 3), prompt_logprobs(pipe, ids, 3, chunk=4)
+    assert len(whole.entries) == len(pieces.entries) == len(ids) - 1
+    for (a, ia, va), (b, ib, vb) in zip(whole.entries, pieces.entries):
+        assert abs(a - b) < 1e-4 and ia[0] == ib[0] and max(abs(x - y) for x, y in zip(va, vb)) < 1e-4
+    assert prompt_logprobs(pipe, ids[:1]).entries == []
+
+
 def test_generate_command_penalties(pipe, chat_model, capsys):
     from dflash_torch.sampling import Sampler
 
