@@ -13,7 +13,7 @@ import sys
 
 
 def add_parser(sub) -> None:
-    from .cli import _common_model_args, _sampling_args, json_object
+    from .cli import _common_model_args, _grammar_args, _sampling_args, json_object
 
     p = sub.add_parser("chat", help="chat with a model in the terminal (multi-turn, prefix cache)")
     _common_model_args(p)
@@ -22,13 +22,14 @@ def add_parser(sub) -> None:
     p.add_argument("--chat-template-args", type=json_object, default={}, metavar="JSON",
                    help="variables for the chat template, e.g. '{\"enable_thinking\": false}'")
     _sampling_args(p)
+    _grammar_args(p)
     p.set_defaults(func=cmd_chat)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Read messages from stdin, stream replies to stdout, one statistics line per reply to stderr."""
     from .adaptive import use_adaptive
-    from .cli import sampler_from_args
+    from .cli import grammar_from_args, sampler_from_args
     from .fallback import FallbackController
     from .generate import Detokenizer, check_lengths, load
     from .prefix_cache import PrefixCache
@@ -38,6 +39,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.max_tokens < 1 or (args.prefill_step_size is not None and args.prefill_step_size < 1):
         raise ValueError("--max-tokens and --prefill-step-size must be >= 1")
     sampler = sampler_from_args(args)
+    grammar = grammar_from_args(args)
     pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
                 cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab)
     pipe._need_tokenizer()  # chat is text: a model without a tokenizer cannot take part
@@ -98,7 +100,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         gen = generate_tokens(pipe.target, ids, max_new_tokens=max_tokens, drafter=pipe.drafter if use_draft else None,
                               block_size=args.block_size, stop_token_ids=pipe.stop_token_ids, sampler=sampler,
                               stats=stats, controller=controller, lookup=lookup, prefix=prefix,
-                              prefill_chunk=args.prefill_step_size)
+                              prefill_chunk=args.prefill_step_size,
+                              constraint=pipe.constraint(*grammar) if grammar is not None else None)
         try:
             for token in gen:
                 if token in pipe.stop_token_ids:

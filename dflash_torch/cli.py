@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 
 def _common_model_args(p: argparse.ArgumentParser, draft: bool = True, decoding: bool = True,
@@ -57,6 +58,45 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help='added to the logits of token ids, e.g. \'{"2": -100}\'')
 
 
+def _grammar_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="the output is JSON following this schema (JSON text, or @FILE)")
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument("--regex", default=None, metavar="PATTERN", help="the output matches this regular expression")
+    g.add_argument("--lark", default=None, metavar="GRAMMAR",
+                   help="the output follows this Lark grammar (text, or @FILE)")
+
+
+def grammar_from_args(args: argparse.Namespace) -> tuple[str, object] | None:
+    """(kind, spec) for `Pipeline.constraint` from the structured-output flags, or None."""
+    def text(value: str) -> str:
+        if value.startswith("@"):
+            try:
+                return Path(value[1:]).read_text()
+            except OSError as e:
+                raise ValueError(f"cannot read {value[1:]}: {e.strerror}") from None
+        return value
+
+    from .structured import grammar
+
+    if args.json_schema is not None:
+        try:
+            kind, spec = "json_schema", json.loads(text(args.json_schema))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema is not JSON: {e}") from None
+    elif args.json_object:
+        kind, spec = "json_object", None
+    elif args.regex is not None:
+        kind, spec = "regex", args.regex
+    elif args.lark is not None:
+        kind, spec = "lark", text(args.lark)
+    else:
+        return None
+    grammar(kind, spec)  # a ValueError now, before the model loads
+    return kind, spec
+
+
 def sampler_from_args(args: argparse.Namespace):
     """The Sampler the sampling flags describe (a fresh one: its random generator starts at --seed)."""
     from .sampling import Sampler
@@ -103,6 +143,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     sampler = sampler_from_args(args)
+    grammar = grammar_from_args(args)
     pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
                 cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab)
     if args.prompt_ids is not None:
@@ -130,9 +171,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.logprobs is not None and not 0 <= args.logprobs <= 20:
         raise ValueError(f"--logprobs must be in [0, 20], got {args.logprobs}")
     lp = TokenLogprobs(args.logprobs) if args.logprobs is not None else None
+    constraint = pipe.constraint(*grammar) if grammar is not None else None
     for tok in stream(pipe, prompt, args.max_tokens, block_size=args.block_size,
                       use_draft=not args.no_draft, sampler=sampler, stats=stats, controller=controller,
-                      lookup=args.lookup, prefill_chunk=args.prefill_step_size, logprobs=lp):
+                      lookup=args.lookup, prefill_chunk=args.prefill_step_size, logprobs=lp, constraint=constraint):
         ids.append(tok)
         if not args.json and pipe.tokenizer is not None:
             sys.stdout.write(detok.add(tok))
@@ -254,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-fallback", action="store_true",
                    help="keep speculating even when it measures slower than target-only (to measure a drafter)")
     _sampling_args(g)
+    _grammar_args(g)
     g.set_defaults(func=cmd_generate)
 
     m = sub.add_parser("models", help="list registered drafters and supported families")

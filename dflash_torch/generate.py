@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from . import loading, registry
+from . import loading, registry, structured
 from .drafter import DFlashDrafter, load_drafter
 from .sampling import Sampler, TokenLogprobs
 from .speculative import Stats, generate_tokens
+from .structured import Constraint
 
 
 def _byte_level_chars() -> dict[str, int]:
@@ -109,6 +110,12 @@ class Pipeline:
                 c in _BYTE_LEVEL for c in piece):
             return bytes(_BYTE_LEVEL[c] for c in piece)
         return piece.replace("\u2581", " ").encode()  # SentencePiece marks a space as U+2581
+
+    def constraint(self, kind: str, spec=None) -> Constraint:
+        """A grammar for one generation (`structured.grammar`: "json_schema", "json_object", "regex",
+        "lark", "choice"), to pass as `constraint=` to `stream` or as `grammar=(kind, spec)` to `generate`."""
+        return Constraint(self._need_tokenizer(), structured.grammar(kind, spec), self.target.config.vocab_size,
+                          self.stop_token_ids, self.token_bytes)
 
     def _need_tokenizer(self):
         if self.tokenizer is None:
@@ -214,11 +221,13 @@ def stream(
     lookup: bool | None = None,
     prefill_chunk: int | None = None,
     logprobs: TokenLogprobs | None = None,
+    constraint: Constraint | None = None,
 ) -> Iterator[int]:
     """Yield completion token ids as they are committed (see `generate` for the arguments;
     `controller` picks the block size per cycle, see `speculative.generate_tokens`; `lookup`:
     prompt-lookup drafts too, default on whenever the drafter is used; `logprobs`: filled with each
-    token's log-probability under the target, and its best alternatives, before the token is yielded)."""
+    token's log-probability under the target, and its best alternatives, before the token is yielded;
+    `constraint`: a grammar the output follows, from `Pipeline.constraint`)."""
     check_lengths(pipe, prompt_ids, max_tokens)
     stops = pipe.stop_token_ids if stop_token_ids is None else stop_token_ids
     if lookup is None:
@@ -227,7 +236,7 @@ def stream(
         pipe.target, prompt_ids, max_new_tokens=max_tokens,
         drafter=pipe.drafter if use_draft else None, block_size=block_size,
         stop_token_ids=stops, sampler=sampler, stats=stats, controller=controller, lookup=lookup,
-        prefill_chunk=prefill_chunk, logprobs=logprobs,
+        prefill_chunk=prefill_chunk, logprobs=logprobs, constraint=constraint,
     )
 
 
@@ -269,14 +278,17 @@ def generate(
     prompt_ids: list[int],
     max_tokens: int = 256,
     logprobs: int | None = None,
+    grammar: tuple[str, object] | None = None,
     **kwargs,
 ) -> Result:
     """Generate a completion. kwargs: block_size, use_draft, sampler, stop_token_ids, controller, lookup.
     `logprobs=k`: also report each token's log-probability under the target with its k best alternatives
-    (`Result.logprobs`, as `sampling.TokenLogprobs` entries)."""
+    (`Result.logprobs`, as `sampling.TokenLogprobs` entries). `grammar=(kind, spec)`: the output follows
+    it (`Pipeline.constraint`), e.g. ("json_schema", {...}) or ("regex", "[0-9]+")."""
     stats = Stats()
     lp = TokenLogprobs(logprobs) if logprobs is not None else None
-    ids = list(stream(pipe, prompt_ids, max_tokens, stats=stats, logprobs=lp, **kwargs))
+    constraint = pipe.constraint(*grammar) if grammar is not None else None
+    ids = list(stream(pipe, prompt_ids, max_tokens, stats=stats, logprobs=lp, constraint=constraint, **kwargs))
     stops = pipe.stop_token_ids if kwargs.get("stop_token_ids") is None else kwargs["stop_token_ids"]
     reason = "stop" if ids and ids[-1] in stops else "length"
     return Result(ids, pipe.decode(ids), reason, stats, lp.entries if lp is not None else None)

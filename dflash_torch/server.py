@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+from . import structured
 from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
 from .fallback import FallbackController
 from .generate import Detokenizer, Pipeline, check_lengths, load, prompt_logprobs
@@ -35,6 +36,7 @@ from .prefix_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DiskStore, Pre
 from .quantize import exact_prefill
 from .sampling import Sampler, TokenLogprobs
 from .speculative import Stats, generate_tokens
+from .structured import Constraint
 from .tool_calls import ToolCallStream
 
 log = logging.getLogger("dflash.server")
@@ -133,6 +135,7 @@ class GenRequest:
     include_usage: bool
     sampler: Sampler
     logprobs: int | None = None  # None: not asked for; k: each token's log-probability and its k best
+    grammar: str | None = None  # structured output: an llguidance grammar the output follows
 
 
 def parse_common(body: dict, min_tokens: int = 1) -> GenRequest:
@@ -195,7 +198,37 @@ def parse_common(body: dict, min_tokens: int = 1) -> GenRequest:
     sampler = Sampler(float(temperature), float(top_p), max(top_k, 0), float(min_p), seed, **penalties,
                       logit_bias=bias)
     return GenRequest(max_tokens, max_tokens_param, stops, _field(body, "stream", "bool", False), include_usage,
-                      sampler)
+                      sampler, grammar=parse_grammar(body))
+
+
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "lark"}
+
+
+def parse_grammar(body: dict) -> str | None:
+    """The grammar the output must follow: OpenAI's response_format (json_object, json_schema), or
+    vLLM's guided_json / guided_regex / guided_choice / guided_grammar (Lark); None for free text."""
+    given = [name for name in GUIDED if body.get(name) is not None]
+    try:
+        fmt = structured.parse_response_format(body.get("response_format"))
+    except ValueError as e:
+        raise bad(str(e), "response_format") from None
+    if fmt is not None:
+        given.append("response_format")
+    if len(given) > 1:
+        raise bad(f"give one way to constrain the output, not {' and '.join(given)}", given[1])
+    if not given:
+        return None
+    name = given[0]
+    kind, spec = fmt if name == "response_format" else (GUIDED[name], body[name])
+    if name == "guided_json" and isinstance(spec, str):  # vLLM takes the schema as JSON text too
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError:
+            raise bad("'guided_json' must be a JSON schema", name) from None
+    try:
+        return structured.grammar(kind, spec)
+    except ValueError as e:
+        raise bad(str(e), name) from None
 
 
 def parse_logprobs(body: dict, endpoint: str) -> int | None:
@@ -353,9 +386,9 @@ def responses_to_chat(body: dict) -> dict:
     for name in RESPONSES_UNSUPPORTED:
         if body.get(name) is not None:
             raise bad(f"'{name}' is not supported by this server's /v1/responses", name)
-    fmt = (_field(body, "text", "object", {}).get("format") or {}).get("type", "text")
-    if fmt != "text":
-        raise bad("only text output is supported ('text.format.type': 'text')", "text")
+    fmt = _field(body, "text", "object", {}).get("format") or {"type": "text"}
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad("'text.format.type' must be 'text', 'json_object' or 'json_schema'", "text")
     messages: list[dict] = []
     if body.get("instructions") is not None:
         messages.append({"role": "system", "content": _field(body, "instructions", "str")})
@@ -413,6 +446,10 @@ def responses_to_chat(body: dict) -> dict:
                 raise bad(f"tools[{i}]: only function tools are supported", f"tools[{i}]")
         chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
                                                             if k in t}} for t in tools]
+    if fmt["type"] == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    elif fmt["type"] == "json_schema":  # the Responses API has the schema at the top of the format
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
     return chat
 
 
@@ -495,6 +532,7 @@ class Job:
     fastpath: bool = False
     tools: list[dict] | None = None  # tools shown to the model: its text is parsed for calls
     logprobs: int | None = None  # GenRequest.logprobs
+    grammar: str | None = None  # GenRequest.grammar
     echo: str | None = None  # completions' echo: this text (the prompt) comes before the completion
     tool_calls: list[dict] = field(default_factory=list)
     id: str = ""
@@ -723,6 +761,14 @@ class Engine:
         finish, status = "length", 200
         lp = TokenLogprobs(job.logprobs) if job.logprobs is not None else None
         held: list[dict] = []  # entries of tokens whose text has not gone out yet
+        try:
+            constraint = None if job.grammar is None else Constraint(
+                pipe.tokenizer, job.grammar, pipe.target.config.vocab_size, pipe.stop_token_ids, pipe.token_bytes)
+        except Exception as e:  # e.g. a tokenizer the grammar library cannot read
+            log.exception("dflash serve: %s: structured output", job.id)
+            job.emit("error", APIError(500, f"structured output failed: {type(e).__name__}: {e}", type="server_error",
+                                       counted=True))
+            return self._finish(job, "error", 500)
         gen = generate_tokens(
             pipe.target, job.prompt_ids, max_new_tokens=job.max_tokens, drafter=pipe.drafter if use_draft else None,
             block_size=self.config.block_size, stop_token_ids=pipe.stop_token_ids, sampler=job.sampler,
@@ -730,7 +776,7 @@ class Engine:
             lookup=not job.fastpath and (use_draft if self.config.lookup is None else self.config.lookup),
             # timings carried over would steer a seeded sampled request's widths: it measures its own
             lookup_costs=self.lookup_costs if job.sampler.greedy or job.sampler.seed is None else None,
-            prefix=self.prefix, prefill_chunk=self.config.prefill_step_size, logprobs=lp,
+            prefix=self.prefix, prefill_chunk=self.config.prefill_step_size, logprobs=lp, constraint=constraint,
         )
         try:
             if job.echo is not None:
@@ -1220,6 +1266,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             raise bad(f"the prompt ({len(ids)} tokens) fills the model's context of {pipe.max_context} tokens",
                       prompt_param)
         max_tokens = req.max_tokens if req.max_tokens is not None else min(config.max_tokens, room)
+        if req.grammar is not None and pipe.tokenizer is None:
+            raise bad("structured output needs the model's tokenizer, and this model has none", "response_format")
         bias = req.sampler.logit_bias
         if bias and max(bias) >= pipe.target.config.vocab_size:
             raise bad(f"'logit_bias' names token {max(bias)}, beyond the vocabulary "
@@ -1229,7 +1277,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         except ValueError as e:
             raise bad(str(e), req.max_tokens_param if "max_tokens" in str(e) else prompt_param) from None
         job = Job(endpoint, ids, max_tokens, req.sampler, req.stops, asyncio.get_running_loop(),
-                  fastpath=max_tokens <= config.fastpath_max_tokens, tools=tools, logprobs=req.logprobs)
+                  fastpath=max_tokens <= config.fastpath_max_tokens, tools=tools, logprobs=req.logprobs,
+                  grammar=req.grammar)
         if echo_ids:  # the prompt as given (text), or as its tokens decode
             job.echo = echo if echo is not None else pipe.decode(ids)
         engine.submit(job)

@@ -22,6 +22,7 @@ import torch
 from .lookup import PromptLookup
 from .prefix_cache import PrefixCache, Session, capacity_for
 from .sampling import History, Sampler, TokenLogprobs
+from .structured import Constraint
 
 
 @dataclass
@@ -122,6 +123,7 @@ def generate_tokens(
     prefix: PrefixCache | None = None,
     prefill_chunk: int | None = None,
     logprobs: TokenLogprobs | None = None,
+    constraint: Constraint | None = None,
 ) -> Iterator[int]:
     """Yield the target's tokens one by one as they are decided; stop after a stop token or
     `max_new_tokens`. With a drafter, decide them by speculative decoding; `stats` is filled in.
@@ -137,10 +139,12 @@ def generate_tokens(
     differently, as verify and decode passes do). `prefill_chunk`: run the prompt in passes of at most
     this many tokens (bounds the prefill's peak memory on long prompts). Output depends on none of these.
     `logprobs`: filled with each token's log-probability (and top alternatives) before it is yielded.
+    `constraint`: a grammar the output must follow (`structured.Constraint`, one per generation).
     """
     args = dict(max_new_tokens=max_new_tokens, drafter=drafter, block_size=block_size,
                 stop_token_ids=stop_token_ids, sampler=sampler, stats=stats, controller=controller,
-                lookup=lookup, lookup_costs=lookup_costs, prefill_chunk=prefill_chunk, logprobs=logprobs)
+                lookup=lookup, lookup_costs=lookup_costs, prefill_chunk=prefill_chunk, logprobs=logprobs,
+                constraint=constraint)
     if prefix is None:
         yield from _generate(target, prompt, session=None, **args)
         return
@@ -161,7 +165,8 @@ def generate_tokens(
 def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_size: int | None,
               stop_token_ids, sampler: Sampler | None, stats: Stats | None, controller, lookup: bool,
               lookup_costs: dict[int, float] | None, session: Session | None,
-              prefill_chunk: int | None, logprobs: TokenLogprobs | None) -> Iterator[int]:
+              prefill_chunk: int | None, logprobs: TokenLogprobs | None,
+              constraint: Constraint | None) -> Iterator[int]:
     stats = stats if stats is not None else Stats()
     sampler = sampler or Sampler()
     device = target.embed_tokens.weight.device
@@ -193,15 +198,26 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
     cache, logits, hidden = _prefill(target, prompt, n + max_new_tokens + block_size, taps, session, device,
                                      prefill_chunk)
     stats.cached_tokens = session.hit.length if session is not None and session.hit else 0
-    # penalties and a logit bias change the target's logits by what came before each position
+    # penalties, a logit bias and a grammar change the target's logits by what came before each position
     history = History(prompt, vocab, device) if sampler.adjusts else None
 
     def chosen_from(logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
-        return logits if history is None else sampler.adjust(logits, history, drafts)
+        """The logits [T, V] tokens are chosen from: row i as if drafts[:i] had been generated."""
+        if history is not None:
+            logits = sampler.adjust(logits, history, drafts)
+        if constraint is not None:
+            allowed = constraint.mask([] if drafts is None else drafts.tolist(), logits.shape[0])
+            logits = logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
+        return logits
+
+    def decided(tokens: list[int]) -> None:
+        if history is not None:
+            history.add(tokens)
+        if constraint is not None:
+            constraint.commit(tokens)
 
     token = sampler.sample(chosen_from(logits))[0].item()  # the first token comes from the prefill
-    if history is not None:
-        history.add([token])
+    decided([token])
     _sync(device)
     stats.prefill_s = time.perf_counter() - t0
     stats.generated_tokens = 1
@@ -216,8 +232,7 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
         while True:
             out = target(torch.tensor([[token]], device=device), cache, logits="last")
             token = sampler.sample(chosen_from(out.logits[0]))[0].item()
-            if history is not None:
-                history.add([token])
+            decided([token])
             stats.cycles += 1
             stats.generated_tokens += 1
             stats.decode_s = time.perf_counter() - t0
@@ -272,8 +287,7 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
             if t in stops:
                 new = new[: i + 1]
                 break
-        if history is not None:
-            history.add(new)
+        decided(new)
         cache.crop(pos + len(new))  # keep token + the accepted drafts; the last new token is not in yet
         if speculative:
             kept = out.hidden[:, : len(new)]

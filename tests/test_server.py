@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import socket
 import string
 import threading
@@ -361,6 +362,40 @@ def test_prompt_logprobs_in_pieces(pipe):
     assert prompt_logprobs(pipe, ids[:1]).entries == []
 
 
+def test_structured_output(server, pipe):
+    """response_format (json_schema, json_object), vLLM's guided_* fields and the Responses API's
+    text.format: the server (drafter and lookup on) returns target-only's constrained output."""
+    c = client(server)
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    ids = pipe.encode_messages(MSGS)
+    want = generate(pipe, ids, 60, use_draft=False, grammar=("json_schema", schema))
+    r = c.chat.completions.create(model="t", messages=MSGS, max_tokens=60, response_format={
+        "type": "json_schema", "json_schema": {"name": "ab", "schema": schema, "strict": True}})
+    assert r.choices[0].message.content == want.text
+    s = c.chat.completions.create(model="t", messages=MSGS, max_tokens=60, stream=True,
+                                  extra_body={"guided_json": json.dumps(schema)})
+    assert "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices) == want.text
+    out = c.responses.create(model="t", input=MSGS[1]["content"], instructions=MSGS[0]["content"],
+                             max_output_tokens=60, text={"format": {"type": "json_schema", "name": "ab",
+                                                                    "schema": schema}})
+    assert out.output_text == want.text
+
+    for body, kind, spec in (({"guided_choice": ["apple", "banana"]}, "choice", ["apple", "banana"]),
+                             ({"guided_regex": "(ab|cd)+x"}, "regex", "(ab|cd)+x"),
+                             ({"response_format": {"type": "json_object"}}, "json_object", None),
+                             ({"guided_grammar": 'start: "yes" | "no"'}, "lark", 'start: "yes" | "no"')):
+        want = generate(pipe, ids, 40, use_draft=False, grammar=(kind, spec))
+        r = httpx.post(server + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 40} | body).json()
+        assert r["choices"][0]["message"]["content"] == want.text, body
+        if want.finish_reason == "stop" and kind in ("choice", "lark"):
+            assert want.text in ("apple", "banana", "yes", "no")
+    ids = pipe.encode("Once upon", chat=False)
+    r = c.completions.create(model="t", prompt="Once upon", max_tokens=30, extra_body={"guided_regex": "[0-9]{4}"})
+    assert r.choices[0].text == generate(pipe, ids, 30, use_draft=False, grammar=("regex", "[0-9]{4}")).text
+    assert re.fullmatch("[0-9]{4}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+
+
 def test_generate_command_penalties(pipe, chat_model, capsys):
     from dflash_torch.sampling import Sampler
 
@@ -516,6 +551,16 @@ BAD = [  # (path, body: dict or raw bytes, status, param)
     ("/v1/chat/completions", {"messages": OK_MSGS, "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/chat/completions", {"messages": OK_MSGS, "frequency_penalty": "a"}, 400, "frequency_penalty"),
     ("/v1/completions", {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "response_format": {"type": "json_schema"}}, 400,
+     "response_format"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "guided_regex": "(a"}, 400, "guided_regex"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "guided_choice": []}, 400, "guided_choice"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "guided_json": "{"}, 400, "guided_json"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "guided_grammar": "start: nope"}, 400, "guided_grammar"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "guided_regex": "a", "guided_choice": ["a"]}, 400,
+     "guided_choice"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "yaml"}}}, 400, "text"),
     ("/v1/completions", {"prompt": "a", "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "a", "logprobs": -1}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": OK_MSGS, "model": 5}, 400, "model"),

@@ -1,0 +1,146 @@
+"""Structured output: the target may only choose tokens that keep its output inside a grammar (a JSON
+schema, any JSON object, a regular expression, a Lark grammar or a list of choices), through
+llguidance's token-level matcher.
+
+With speculation, row i of a verify pass decides the token after the block's first i drafts, so its
+mask is the grammar's after those drafts: the matcher takes the drafts it allows, a mask is read
+before each, and it rolls back. A draft the grammar refuses ends the rows that can matter (the target
+cannot choose it, so it is rejected there). Masked rows are what target-only decoding masks, so the
+output is the same, greedy or sampled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+
+import torch
+
+_TOKENIZERS: dict[tuple[int, int, tuple[int, ...]], object] = {}  # building one takes about a second
+
+
+def grammar(kind: str, spec) -> str:
+    """An llguidance grammar for kind "json_schema" (spec: the schema, a dict), "json_object" (spec
+    ignored), "regex" (a pattern), "lark" (a Lark grammar) or "choice" (a list of strings, one of which
+    is the whole output). Raises ValueError for a spec that is not one of these or does not compile."""
+    from llguidance import LLMatcher
+
+    text = _grammar(kind, spec)
+    failed, messages = LLMatcher.validate_grammar_with_warnings(text)
+    if failed:
+        raise ValueError(f"the {kind.replace('_', ' ')} does not compile: {messages[0]}")
+    return text
+
+
+def _grammar(kind: str, spec) -> str:
+    from llguidance import LLMatcher
+
+    if kind == "json_schema":
+        if not isinstance(spec, dict):
+            raise ValueError("a JSON schema must be an object")
+        return LLMatcher.grammar_from_json_schema(spec)
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"})
+    if kind == "regex":
+        if not isinstance(spec, str) or not spec:
+            raise ValueError("a regex must be a non-empty string")
+        return LLMatcher.grammar_from_regex(spec)
+    if kind == "lark":
+        if not isinstance(spec, str) or not spec:
+            raise ValueError("a Lark grammar must be a non-empty string")
+        return LLMatcher.grammar_from_lark(spec)
+    if kind == "choice":
+        if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
+            raise ValueError("choices must be a non-empty list of non-empty strings")
+        return LLMatcher.grammar_from_regex("|".join(f"({re.escape(c)})" for c in spec))
+    raise ValueError(f"unknown grammar kind {kind!r}")
+
+
+class Constraint:
+    """One generation's grammar state. `mask(drafts, rows)` -> which tokens each row may choose,
+    `commit(tokens)` after the tokens are decided."""
+
+    def __init__(self, tokenizer, grammar_text: str, vocab_size: int, stop_token_ids: list[int],
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+        from llguidance import LLMatcher
+
+        key = (id(tokenizer), vocab_size, tuple(stop_token_ids))
+        if key not in _TOKENIZERS:
+            _TOKENIZERS[key] = _lltokenizer(tokenizer, vocab_size, list(stop_token_ids), token_bytes)
+        self.matcher = LLMatcher(_TOKENIZERS[key], grammar_text)
+        if self.matcher.is_error():
+            raise ValueError(f"the grammar is not valid: {self.matcher.get_error()}")
+        self.vocab_size, self.stops = vocab_size, set(stop_token_ids)
+        self._bits = 1 << torch.arange(32, dtype=torch.int64)  # [32]
+
+    def _row(self) -> torch.Tensor:
+        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32).to(torch.int64)
+        return ((words[:, None] & self._bits) != 0).reshape(-1)[: self.vocab_size]  # [V] bool
+
+    def mask(self, drafts: list[int], rows: int) -> torch.Tensor:
+        """Allowed tokens [rows, V] (bool): row i after drafts[:i]. Rows past the first draft the grammar
+        refuses, or past a stop token, cannot decide anything and allow everything."""
+        drafts = drafts[: rows - 1]
+        # a stop token ends the generation: not taken in (the matcher does not roll one back cleanly)
+        drafts = drafts[: next((i for i, t in enumerate(drafts) if t in self.stops), len(drafts))]
+        ok = self.matcher.validate_tokens(drafts) if drafts else 0
+        out = torch.ones(rows, self.vocab_size, dtype=torch.bool)
+        for i in range(ok + 1):
+            out[i] = self._row()
+            if i < ok:
+                self.matcher.consume_token(drafts[i])
+        if ok:
+            self.matcher.rollback(ok)
+        return out
+
+    def commit(self, tokens: list[int]) -> None:
+        tokens = [t for t in tokens if t not in self.stops]  # the last token, if any: the generation ends
+        if tokens and not self.matcher.consume_tokens(tokens):
+            raise RuntimeError(f"structured output: the grammar refused a chosen token ({self.matcher.get_error()})")
+
+
+def _lltokenizer(tokenizer, vocab_size: int, stops: list[int], token_bytes: Callable[[int], bytes] | None):
+    """The grammar library's view of a tokenizer: its own reading of a Hugging Face fast tokenizer where
+    it has one, else every token's bytes (`Pipeline.token_bytes`) and the tokenizer as the encoder."""
+    from llguidance import LLTokenizer
+    from llguidance.hf import from_tokenizer
+
+    try:
+        return from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stops)
+    except (ValueError, AttributeError):
+        if token_bytes is None:
+            raise
+
+    class Tokens:  # what llguidance.TokenizerWrapper reads
+        is_tokenizer_wrapper = True
+        eos_token_id = stops[0]
+        bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        special_token_ids = sorted({*tokenizer.all_special_ids, *getattr(tokenizer, "added_tokens_decoder", {})})
+        tokens = [token_bytes(i) if i < len(tokenizer) else b"" for i in range(vocab_size)]
+
+        def __call__(self, text: str) -> list[int]:
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return LLTokenizer(Tokens(), n_vocab=vocab_size, eos_token=stops)
+
+
+def parse_response_format(value) -> tuple[str, object] | None:
+    """OpenAI's response_format -> (kind, spec) for `grammar`, or None for plain text."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise ValueError("'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return "json_object", None
+    schema = (value.get("json_schema") or {}).get("schema")
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            schema = None
+    if not isinstance(schema, dict):
+        raise ValueError("'response_format.json_schema.schema' must be a JSON schema object")
+    return "json_schema", schema

@@ -1,0 +1,124 @@
+"""Structured output: the grammar's masks per verify row, and speculative == target-only under them."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from dflash_torch.generate import generate, load
+from dflash_torch.sampling import Sampler
+from dflash_torch.speculative import Stats, generate_tokens
+
+from .test_server import ScriptedDrafter, make_chat_model
+
+GRAMMARS = [
+    ("regex", "(ab|cd)+x"),
+    ("regex", "[a-f]{3,12}"),
+    ("choice", ["apple", "banana", "cherry pie"]),
+    ("json_schema", {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}, "b": {"type": "boolean"}},
+                     "required": ["a", "b"], "additionalProperties": False}),
+    ("json_object", None),
+]
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory):
+    torch.set_num_threads(1)
+    target, draft = make_chat_model(tmp_path_factory.mktemp("structured"))
+    return load(str(target), str(draft), device="cpu", dtype="float32")
+
+
+def _ids(pipe, prompt="Write something"):
+    return pipe.encode(prompt)
+
+
+def _follows(pipe, kind, spec, text: str) -> bool:
+    if kind == "regex":
+        return re.fullmatch(spec, text) is not None
+    if kind == "choice":
+        return text in spec
+    value = json.loads(text)
+    if kind == "json_object":
+        return isinstance(value, dict)
+    return set(value) == {"a", "b"} and value["a"] in ("x", "yz") and isinstance(value["b"], bool)
+
+
+@pytest.mark.parametrize("kind,spec", GRAMMARS, ids=lambda g: g if isinstance(g, str) else None)
+def test_speculative_equals_target_only_under_a_grammar(pipe, kind, spec):
+    """The drafter, prompt lookup, and a drafter that proposes target-only's constrained output itself
+    (every block kept whole): all give target-only's output, which follows the grammar."""
+    for prompt in ("Write something", "Hello there, tell me", "x"):
+        ids = _ids(pipe, prompt)
+        want = generate(pipe, ids, 60, use_draft=False, grammar=(kind, spec))
+        if want.finish_reason == "stop":
+            assert _follows(pipe, kind, spec, want.text), want.text
+        truth = ids + want.token_ids
+        oracle = ScriptedDrafter(pipe.drafter, truth)
+        for drafter, bs, lookup in ((pipe.drafter, 4, False), (pipe.drafter, 8, True), (oracle, 8, False)):
+            stats = Stats()
+            got = list(generate_tokens(pipe.target, ids, max_new_tokens=60, drafter=drafter, block_size=bs,
+                                       lookup=lookup, stop_token_ids=pipe.stop_token_ids, stats=stats,
+                                       constraint=pipe.constraint(kind, spec)))
+            assert got == want.token_ids, (kind, prompt, drafter)
+            if drafter is oracle:  # every block kept whole but the last, which runs past the output
+                assert all(n == bs for n in stats.acceptance_lengths[:-1]), stats.acceptance_lengths
+
+
+def test_sampled_output_follows_the_grammar(pipe):
+    for seed in range(6):
+        for kind, spec in GRAMMARS[:4]:
+            r = generate(pipe, _ids(pipe), 60, grammar=(kind, spec), sampler=Sampler(1.0, seed=seed))
+            if r.finish_reason == "stop":
+                assert _follows(pipe, kind, spec, r.text), (kind, r.text)
+
+
+def test_masks_per_row_match_one_token_at_a_time(pipe):
+    """mask(drafts) row i = the mask after consuming drafts[:i] on a fresh matcher; rows past a refused
+    draft allow everything; the matcher is left as it was."""
+    kind, spec = "regex", "(ab|cd)+x"
+    tok = pipe.tokenizer.convert_tokens_to_ids
+    c = pipe.constraint(kind, spec)
+    before = c.mask([], 1)[0]
+    drafts = [tok("a"), tok("b"), tok("c"), tok("q"), tok("d")]  # "q" is refused at row 3
+    rows = c.mask(drafts, 6)
+    for i in range(4):
+        ref = pipe.constraint(kind, spec)
+        ref.commit(drafts[:i])
+        assert torch.equal(rows[i], ref.mask([], 1)[0]), i
+    assert rows[4:].all() and not rows[3][tok("q")] and rows[2][tok("c")]
+    assert torch.equal(c.mask([], 1)[0], before)  # rolled back
+    assert before[tok("a")] and before[tok("c")] and not before[tok("b")]
+    stop = pipe.stop_token_ids[0]
+    c.commit([tok("a"), tok("b"), tok("x")])  # complete: only a stop token is allowed, and taking it is fine
+    assert c.mask([], 1)[0].nonzero()[:, 0].tolist() == [stop]
+    c.commit([stop])
+
+
+def test_bad_grammars_are_value_errors(pipe):
+    for kind, spec in (("regex", "(a"), ("lark", "start: nope"), ("json_schema", {"type": "nope"}),
+                       ("choice", []), ("json_schema", "x"), ("yaml", "a")):
+        with pytest.raises(ValueError):
+            pipe.constraint(kind, spec)
+
+
+def test_generate_command(pipe, capsys):
+    from dflash_torch import cli
+
+    base = ["generate", "--model", str(pipe.model_path), "--draft", str(pipe.draft_path), "--device", "cpu",
+            "--prompt", "Hello", "--max-tokens", "30", "--json"]
+    ids = pipe.encode("Hello")
+    for flags, grammar in ((["--regex", "(ab|cd)+x"], ("regex", "(ab|cd)+x")),
+                           (["--json-schema", json.dumps(GRAMMARS[3][1])], GRAMMARS[3]),
+                           (["--json-object"], ("json_object", None)),
+                           (["--lark", 'start: "yes" | "no"'], ("lark", 'start: "yes" | "no"'))):
+        assert cli.main(base + flags) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["token_ids"] == generate(pipe, ids, 30, use_draft=False, grammar=grammar).token_ids, flags
+    for flags in (["--regex", "("], ["--json-schema", "{"], ["--json-schema", "@/nonexistent/x.json"]):
+        assert cli.main(base + flags) == 2
+        assert "dflash: error:" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one grammar at a time (argparse)
+        cli.main(base + ["--regex", "a", "--json-object"])
