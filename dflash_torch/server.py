@@ -14,6 +14,7 @@ This module does not use `from __future__ import annotations`: FastAPI reads the
 
 import argparse
 import asyncio
+import dataclasses
 import hmac
 import itertools
 import json
@@ -51,6 +52,7 @@ ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "
 UNSUPPORTED = ("suffix", "functions")
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16  # n: choices per request, generated one after the other
 
 
 @dataclass
@@ -136,6 +138,7 @@ class GenRequest:
     sampler: Sampler
     logprobs: int | None = None  # None: not asked for; k: each token's log-probability and its k best
     grammar: str | None = None  # structured output: an llguidance grammar the output follows
+    n: int = 1  # choices
 
 
 def parse_common(body: dict, min_tokens: int = 1) -> GenRequest:
@@ -145,8 +148,9 @@ def parse_common(body: dict, min_tokens: int = 1) -> GenRequest:
     for name in UNSUPPORTED:
         if body.get(name):
             raise bad(f"'{name}' is not supported by this server", name)
-    if _field(body, "n", "int", 1) != 1:
-        raise bad("only n = 1 is supported", "n")
+    n = _field(body, "n", "int", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad(f"'n' must be in [1, {MAX_CHOICES}]", "n")
     max_tokens, max_tokens_param = None, "max_tokens"
     for name in ("max_tokens", "max_completion_tokens"):  # the newer name wins when both are given
         value = _field(body, name, "int")
@@ -198,7 +202,7 @@ def parse_common(body: dict, min_tokens: int = 1) -> GenRequest:
     sampler = Sampler(float(temperature), float(top_p), max(top_k, 0), float(min_p), seed, **penalties,
                       logit_bias=bias)
     return GenRequest(max_tokens, max_tokens_param, stops, _field(body, "stream", "bool", False), include_usage,
-                      sampler, grammar=parse_grammar(body))
+                      sampler, grammar=parse_grammar(body), n=n)
 
 
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "lark"}
@@ -449,6 +453,8 @@ def responses_to_chat(body: dict) -> dict:
     if fmt["type"] == "json_object":
         chat["response_format"] = {"type": "json_object"}
     elif fmt["type"] == "json_schema":  # the Responses API has the schema at the top of the format
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad("'text.format.schema' must be a JSON schema object", "text")
         chat["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
     return chat
 
@@ -1276,17 +1282,27 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             check_lengths(pipe, ids, max(max_tokens, 1))  # 0: echo the prompt only (scored, not continued)
         except ValueError as e:
             raise bad(str(e), req.max_tokens_param if "max_tokens" in str(e) else prompt_param) from None
-        job = Job(endpoint, ids, max_tokens, req.sampler, req.stops, asyncio.get_running_loop(),
-                  fastpath=max_tokens <= config.fastpath_max_tokens, tools=tools, logprobs=req.logprobs,
-                  grammar=req.grammar)
-        if echo_ids:  # the prompt as given (text), or as its tokens decode
-            job.echo = echo if echo is not None else pipe.decode(ids)
-        engine.submit(job)
+        jobs = []
+        for i in range(req.n):  # choice i samples with seed + i (the same seed would repeat choice 0)
+            sampler = req.sampler if i == 0 else dataclasses.replace(
+                req.sampler, seed=None if req.sampler.seed is None else req.sampler.seed + i)
+            job = Job(endpoint, ids, max_tokens, sampler, req.stops, asyncio.get_running_loop(),
+                      fastpath=max_tokens <= config.fastpath_max_tokens, tools=tools, logprobs=req.logprobs,
+                      grammar=req.grammar, id=f"{jobs[0].id}-{i}" if jobs else "")
+            if echo_ids:  # the prompt as given (text), or as its tokens decode
+                job.echo = echo if echo is not None else pipe.decode(ids)
+            try:
+                engine.submit(job)
+            except APIError:
+                for j in jobs:
+                    j.cancel.set()
+                raise
+            jobs.append(job)
         if req.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            events = (streamer or stream)(job, req)
+            events = streamer(jobs[0], req) if streamer else stream(jobs, req)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return await collect(request, job)
+        return await collect(request, jobs)
 
     def logprobs_field(job: Job, entries: list[dict] | None, offset: int = 0) -> dict | None:
         if job.logprobs is None or entries is None:
@@ -1296,109 +1312,124 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         return completion_logprobs(entries, offset)
 
     def chunk(job: Job, created: int, text: str | None, finish: str | None, usage: dict | None = None,
-              logprobs: dict | None = None) -> dict:
+              logprobs: dict | None = None, index: int = 0, id: str | None = None) -> dict:
         if job.endpoint == "chat":
             delta = {} if text is None else {"content": text}
             if text == "" and finish is None and logprobs is None:
                 delta = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            out = {"id": job.id, "object": "chat.completion.chunk", "created": created, "model": engine.name,
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            out = {"id": id or job.id, "object": "chat.completion.chunk", "created": created, "model": engine.name,
                    "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-            out = {"id": job.id, "object": "text_completion", "created": created, "model": engine.name,
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            out = {"id": id or job.id, "object": "text_completion", "created": created, "model": engine.name,
                    "choices": [choice]}
         if usage is not None:
             out["usage"] = usage
         return out
 
-    def usage(info: dict) -> dict:
-        p, c = info["prompt_tokens"], info["completion_tokens"]
+    def usage(info: dict, more: list[dict] = ()) -> dict:
+        """Usage of one generation (`info`, the "done" payload), plus the completions of other choices."""
+        p, c = info["prompt_tokens"], info["completion_tokens"] + sum(m["completion_tokens"] for m in more)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": info.get("cached_tokens", 0)}}
 
-    async def stream(job: Job, req: GenRequest) -> AsyncIterator[str]:
-        created = int(time.time())
+    async def stream(jobs: list[Job], req: GenRequest) -> AsyncIterator[str]:
+        """Server-sent chunks of each choice in turn (chunk "index" = its choice), then usage and [DONE]."""
+        created, rid = int(time.time()), jobs[0].id
         extra = {"usage": None} if req.include_usage else {}
+        infos: list[dict] = []
         try:
-            if job.endpoint == "chat":
-                yield _sse(chunk(job, created, "", None) | extra)
-            waiting: list[dict] = []  # log-probability entries whose text has not arrived yet
-            sent = 0  # characters of text sent (completions' text_offset)
-            while True:
-                batch = [await job.events.get()]
-                while not job.events.empty():  # a backlog goes out as one chunk ("done"/"error" come last)
-                    batch.append(job.events.get_nowait())
-                text, entries = "", []
-                for k, p in batch:
-                    if k == "logprobs":
-                        waiting += p
-                    elif k == "delta":
-                        text, entries, waiting = text + p, entries + waiting, []
-                if text:
-                    yield _sse(chunk(job, created, text, None, logprobs=logprobs_field(job, entries, sent)) | extra)
-                    sent += len(text)
-                kind, payload = batch[-1]
-                if kind in ("delta", "logprobs"):
-                    continue
-                if waiting and kind == "done":  # tokens that printed nothing, at the end
-                    empty = "" if job.endpoint == "completions" else None
-                    yield _sse(chunk(job, created, empty, None, logprobs=logprobs_field(job, waiting, sent)) | extra)
-                if kind == "error":
-                    yield _sse(payload.body())
+            for index, job in enumerate(jobs):
+                def out(text, finish=None, logprobs=None, job=job, index=index):
+                    return _sse(chunk(job, created, text, finish, logprobs=logprobs, index=index, id=rid) | extra)
+
+                if job.endpoint == "chat":
+                    yield out("")
+                waiting: list[dict] = []  # log-probability entries whose text has not arrived yet
+                sent = 0  # characters of text sent (completions' text_offset)
+                while True:
+                    batch = [await job.events.get()]
+                    while not job.events.empty():  # a backlog goes out as one chunk ("done"/"error" come last)
+                        batch.append(job.events.get_nowait())
+                    text, entries = "", []
+                    for k, p in batch:
+                        if k == "logprobs":
+                            waiting += p
+                        elif k == "delta":
+                            text, entries, waiting = text + p, entries + waiting, []
+                    if text:
+                        yield out(text, logprobs=logprobs_field(job, entries, sent))
+                        sent += len(text)
+                    kind, payload = batch[-1]
+                    if kind in ("delta", "logprobs"):
+                        continue
+                    if waiting and kind == "done":  # tokens that printed nothing, at the end
+                        yield out("" if job.endpoint == "completions" else None,
+                                  logprobs=logprobs_field(job, waiting, sent))
+                    if kind == "error":
+                        yield _sse(payload.body())
+                        return
+                    if kind == "cancelled":  # the server is stopping (a client that left reads nothing)
+                        return
+                    if payload.get("tool_calls"):  # whole calls in one delta, each with its index
+                        delta = {"tool_calls": [{"index": i} | c for i, c in enumerate(payload["tool_calls"])]}
+                        yield _sse(chunk(job, created, None, None, id=rid) | extra | {"choices": [
+                            {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]})
+                    yield out(None, payload["finish_reason"])
+                    infos.append(payload)
                     break
-                if kind == "cancelled":  # the server is stopping (a client that left reads nothing)
-                    return
-                if payload.get("tool_calls"):  # whole calls in one delta, each with its index
-                    delta = {"tool_calls": [{"index": i} | c for i, c in enumerate(payload["tool_calls"])]}
-                    yield _sse(chunk(job, created, None, None) | extra | {"choices": [
-                        {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]})
-                yield _sse(chunk(job, created, None, payload["finish_reason"]) | extra)
-                if req.include_usage:
-                    yield _sse(chunk(job, created, None, None, usage(payload)) | {"choices": []})
-                break
+            if req.include_usage:
+                yield _sse(chunk(jobs[0], created, None, None, usage(infos[0], infos[1:]), id=rid) | {"choices": []})
             yield _sse("[DONE]")
         finally:
-            job.cancel.set()  # the client left (or we are done): stop generating within a cycle
+            for job in jobs:
+                job.cancel.set()  # the client left (or we are done): stop generating within a cycle
 
-    async def watch_disconnect(request: Request, job: Job) -> None:
+    async def watch_disconnect(request: Request, jobs: list[Job]) -> None:
         # The body has been read, so the next message is http.disconnect: the client left (or we answered).
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        job.cancel.set()
+        for job in jobs:
+            job.cancel.set()
 
-    async def collect(request: Request, job: Job):
-        parts: list[str] = []
-        entries: list[dict] = []
-        watcher = asyncio.create_task(watch_disconnect(request, job))
+    async def collect(request: Request, jobs: list[Job]):
+        watcher = asyncio.create_task(watch_disconnect(request, jobs))
+        choices, infos = [], []
         try:
-            while True:
-                kind, payload = await job.events.get()
-                if kind == "delta":
-                    parts.append(payload)
-                elif kind == "logprobs":
-                    entries += payload
-                elif kind == "error":
-                    raise payload
-                elif kind == "cancelled":  # the client left (nobody reads this) or the server is stopping
-                    raise APIError(503, "the server is shutting down", type="service_unavailable", counted=True)
+            for index, job in enumerate(jobs):
+                parts: list[str] = []
+                entries: list[dict] = []
+                while True:
+                    kind, payload = await job.events.get()
+                    if kind == "delta":
+                        parts.append(payload)
+                    elif kind == "logprobs":
+                        entries += payload
+                    elif kind == "error":
+                        raise payload
+                    elif kind == "cancelled":  # the client left (nobody reads this) or the server is stopping
+                        raise APIError(503, "the server is shutting down", type="service_unavailable", counted=True)
+                    else:
+                        break
+                text, reason = "".join(parts), payload["finish_reason"]
+                if job.endpoint == "chat":
+                    message = {"role": "assistant", "content": text}
+                    if payload.get("tool_calls"):
+                        message = {"role": "assistant", "content": text or None, "tool_calls": payload["tool_calls"]}
+                    choices.append({"index": index, "message": message, "logprobs": logprobs_field(job, entries),
+                                    "finish_reason": reason})
                 else:
-                    break
+                    choices.append({"index": index, "text": text, "logprobs": logprobs_field(job, entries),
+                                    "finish_reason": reason})
+                infos.append(payload)
         finally:
             watcher.cancel()
-            job.cancel.set()
-        text, created, reason = "".join(parts), int(time.time()), payload["finish_reason"]
-        if job.endpoint == "chat":
-            message = {"role": "assistant", "content": text}
-            if payload.get("tool_calls"):
-                message = {"role": "assistant", "content": text or None, "tool_calls": payload["tool_calls"]}
-            choice = {"index": 0, "message": message, "logprobs": logprobs_field(job, entries), "finish_reason": reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs_field(job, entries), "finish_reason": reason}
-            obj = "text_completion"
-        return {"id": job.id, "object": obj, "created": created, "model": engine.name, "choices": [choice],
-                "usage": usage(payload)}
+            for job in jobs:
+                job.cancel.set()
+        obj = "chat.completion" if jobs[0].endpoint == "chat" else "text_completion"
+        return {"id": jobs[0].id, "object": obj, "created": int(time.time()), "model": engine.name,
+                "choices": choices, "usage": usage(infos[0], infos[1:])}
 
     return app
 

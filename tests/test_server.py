@@ -396,6 +396,33 @@ def test_structured_output(server, pipe):
     assert re.fullmatch("[0-9]{4}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
 
 
+def test_several_choices(server, pipe):
+    """n > 1: the choices are generated one after the other, choice i sampling with seed + i, so each is
+    what a request for that one choice gives; usage counts every choice's tokens."""
+    c = client(server)
+    r = c.chat.completions.create(model="t", messages=MSGS, max_tokens=20, n=2)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    assert [ch.message.content for ch in r.choices] == [solo(pipe, pipe.encode_messages(MSGS), 20)] * 2
+    assert r.usage.completion_tokens == 40
+    r = c.chat.completions.create(model="t", messages=MSGS, max_tokens=20, n=3, temperature=1.0, seed=5)
+    texts = [ch.message.content for ch in r.choices]
+    for i in range(3):
+        one = c.chat.completions.create(model="t", messages=MSGS, max_tokens=20, temperature=1.0, seed=5 + i)
+        assert one.choices[0].message.content == texts[i]
+    assert len(set(texts)) > 1
+    s = c.chat.completions.create(model="t", messages=MSGS, max_tokens=20, n=3, temperature=1.0, seed=5, stream=True,
+                                  stream_options={"include_usage": True})
+    chunks = list(s)
+    got = ["".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices and ch.choices[0].index == i)
+           for i in range(3)]
+    assert got == texts and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert len({ch.id for ch in chunks}) == 1
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
+        ch.finish_reason for ch in r.choices]
+    r = c.completions.create(model="t", prompt="Once upon", max_tokens=10, n=2, temperature=1.0, seed=1)
+    assert [ch.index for ch in r.choices] == [0, 1] and r.usage.completion_tokens == 20
+
+
 def test_generate_command_penalties(pipe, chat_model, capsys):
     from dflash_torch.sampling import Sampler
 
@@ -532,7 +559,8 @@ BAD = [  # (path, body: dict or raw bytes, status, param)
     ("/v1/chat/completions", {"messages": OK_MSGS, "top_k": -5}, 400, "top_k"),
     ("/v1/chat/completions", {"messages": OK_MSGS, "min_p": 1.5}, 400, "min_p"),
     ("/v1/chat/completions", {"messages": OK_MSGS, "seed": 2**70}, 400, "seed"),
-    ("/v1/chat/completions", {"messages": OK_MSGS, "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "n": 17}, 400, "n"),
+    ("/v1/chat/completions", {"messages": OK_MSGS, "n": 0}, 400, "n"),
     ("/v1/chat/completions", {"messages": OK_MSGS, "stop": 5}, 400, "stop"),
     ("/v1/chat/completions", {"messages": OK_MSGS, "stop": [""]}, 400, "stop"),
     ("/v1/chat/completions", {"messages": OK_MSGS, "stop": ["a"] * 17}, 400, "stop"),
