@@ -35,6 +35,7 @@ from .fallback import FallbackController
 from .generate import Detokenizer, Pipeline, check_lengths, load, prompt_logprobs
 from .prefix_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DiskStore, PrefixCache
 from .quantize import exact_prefill
+from .reasoning import ReasoningSplitter, has_think_tags, starts_inside
 from .sampling import Sampler, TokenLogprobs
 from .speculative import Stats, generate_tokens
 from .structured import Constraint
@@ -81,6 +82,8 @@ class ServerConfig:
     prefix_cache_l2_dir: str | None = None  # entries pushed out of memory go to files here (None: dropped)
     prefix_cache_l2_max_bytes: int = 16 << 30
     chat_template_args: dict = field(default_factory=dict)  # chat template variables (a request's own win)
+    reasoning_parser: str = "auto"  # "think": <think>...</think> -> reasoning_content; "auto": when the
+    # tokenizer has those tags as tokens; "none": reasoning stays in the content
     prefill_step_size: int | None = None  # prompts run in passes of at most this many tokens (None: one)
     max_body_bytes: int = MAX_BODY_BYTES
     recent: int = 32  # finished requests kept for /metrics?format=json
@@ -607,6 +610,7 @@ class Engine:
         self.fallback_carry: dict | None = None  # the last request fell back: the next starts fallen back too
         self.lookup_costs: dict[int, float] = {}  # seconds per verify width, measured by prompt lookup
         self.adaptive: AdaptiveBlockSize | None = None  # the adaptive block size, shared by all requests
+        self.reasoning = False  # reasoning parsing on (ServerConfig.reasoning_parser, decided at load)
         # caches of finished requests: a conversation's next turn prefills only what is new
         self.prefix = None
         if config.prefix_cache_max_entries > 0:
@@ -702,6 +706,8 @@ class Engine:
             # first request's time); one estimator for all requests, so what a request learned about
             # acceptance, and when the full block is due for a try, carry into the next one
             self.adaptive = AdaptiveBlockSize(calibrate(pipe.target, pipe.drafter), pipe.drafter.block_size)
+        self.reasoning = c.reasoning_parser == "think" or (
+            c.reasoning_parser == "auto" and has_think_tags(pipe.tokenizer))
         self.pipe = pipe  # /health reports ready from here
         try:
             self._banner()
@@ -775,6 +781,31 @@ class Engine:
             job.emit("error", APIError(500, f"structured output failed: {type(e).__name__}: {e}", type="server_error",
                                        counted=True))
             return self._finish(job, "error", 500)
+        splitter = None
+        if job.endpoint == "chat" and self.reasoning:  # where the prompt leaves the model: in a think block?
+            with self.tokenizer_lock:
+                shown = pipe.tokenizer.decode(job.prompt_ids[-32:], skip_special_tokens=False)
+            splitter = ReasoningSplitter(inside=starts_inside(shown))
+
+        def send(delta: str, final: bool = False) -> None:
+            """Text out: reasoning apart, tool calls parsed, log-probability entries just before it."""
+            nonlocal held
+            reasoning = ""
+            if splitter is not None:
+                reasoning, delta = splitter.feed(delta)
+                if final:
+                    more = splitter.finish()
+                    reasoning, delta = reasoning + more[0], delta + more[1]
+            if delta and calls:
+                delta = calls.feed(delta)
+            if held and (reasoning or delta or final):  # at the end: tokens that printed nothing too
+                job.emit("logprobs", held)
+                held = []
+            if reasoning:
+                job.emit("reasoning", reasoning)
+            if delta:
+                job.emit("delta", delta)
+
         gen = generate_tokens(
             pipe.target, job.prompt_ids, max_new_tokens=job.max_tokens, drafter=pipe.drafter if use_draft else None,
             block_size=self.config.block_size, stop_token_ids=pipe.stop_token_ids, sampler=job.sampler,
@@ -799,13 +830,8 @@ class Engine:
                     delta = text.add(token)
                     if lp is not None and token not in stops and not text.stopped:
                         held.append(logprob_entry(pipe, token, *lp.entries[job.completion_tokens - 1]))
-                if delta and calls:
-                    delta = calls.feed(delta)
                 if delta:
-                    if held:
-                        job.emit("logprobs", held)
-                        held = []
-                    job.emit("delta", delta)
+                    send(delta)
                 m.sync_live(job)
                 if text.stopped or token in stops:
                     finish = "stop"
@@ -813,15 +839,14 @@ class Engine:
                 if job.cancel.is_set():
                     finish, status = "cancelled", 499
                     break
-            if status == 200 and not text.stopped:
-                with self.tokenizer_lock:
-                    tail = text.finish()
-                if tail and calls:
-                    tail = calls.feed(tail)
-                if held:  # with the tail, or alone (tokens that print nothing)
-                    job.emit("logprobs", held)
-                if tail:
-                    job.emit("delta", tail)
+            if status == 200:
+                if text.stopped:  # tokens past the stop string's start went out as no text
+                    held = []
+                    tail = ""
+                else:
+                    with self.tokenizer_lock:
+                        tail = text.finish()
+                send(tail, final=True)
             if status == 200 and calls:
                 rest, job.tool_calls = calls.finish()
                 if rest:
@@ -1207,7 +1232,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             texts: list[str] = []
             while True:
                 kind, payload = await job.events.get()
-                if kind == "logprobs":  # not asked for through this endpoint
+                if kind in ("logprobs", "reasoning"):  # not part of this endpoint's events
                     continue
                 if kind == "delta":
                     if not texts:
@@ -1352,17 +1377,25 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                     batch = [await job.events.get()]
                     while not job.events.empty():  # a backlog goes out as one chunk ("done"/"error" come last)
                         batch.append(job.events.get_nowait())
-                    text, entries = "", []
+                    text, entries, thought = "", [], ""
                     for k, p in batch:
                         if k == "logprobs":
                             waiting += p
                         elif k == "delta":
                             text, entries, waiting = text + p, entries + waiting, []
+                        elif k == "reasoning":
+                            thought, entries, waiting = thought + p, entries + waiting, []
+                    if thought:  # before the batch's content: a think block comes first
+                        mine = None if text else entries  # the entries go with the content when there is some
+                        yield _sse(chunk(job, created, None, None, id=rid) | extra | {"choices": [
+                            {"index": index, "delta": {"reasoning_content": thought},
+                             "logprobs": logprobs_field(job, mine), "finish_reason": None}]})
+                        entries = entries if text else []
                     if text:
                         yield out(text, logprobs=logprobs_field(job, entries, sent))
                         sent += len(text)
                     kind, payload = batch[-1]
-                    if kind in ("delta", "logprobs"):
+                    if kind in ("delta", "logprobs", "reasoning"):
                         continue
                     if waiting and kind == "done":  # tokens that printed nothing, at the end
                         yield out("" if job.endpoint == "completions" else None,
@@ -1399,11 +1432,14 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         try:
             for index, job in enumerate(jobs):
                 parts: list[str] = []
+                thoughts: list[str] = []
                 entries: list[dict] = []
                 while True:
                     kind, payload = await job.events.get()
                     if kind == "delta":
                         parts.append(payload)
+                    elif kind == "reasoning":
+                        thoughts.append(payload)
                     elif kind == "logprobs":
                         entries += payload
                     elif kind == "error":
@@ -1417,6 +1453,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                     message = {"role": "assistant", "content": text}
                     if payload.get("tool_calls"):
                         message = {"role": "assistant", "content": text or None, "tool_calls": payload["tool_calls"]}
+                    if thoughts:
+                        message["reasoning_content"] = "".join(thoughts)
                     choices.append({"index": index, "message": message, "logprobs": logprobs_field(job, entries),
                                     "finish_reason": reason})
                 else:
@@ -1464,6 +1502,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--chat-template-args", type=json_object, default={}, metavar="JSON",
                    help="variables for the chat template, e.g. '{\"enable_thinking\": false}' (a request's "
                         "chat_template_kwargs override them)")
+    p.add_argument("--reasoning-parser", choices=("auto", "think", "none"), default="auto",
+                   help="chat answers: reasoning between <think> and </think> as reasoning_content, apart from the "
+                        "content (auto: for models whose tokenizer has those tags; none: left in the content)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -1508,6 +1549,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefix_cache_max_bytes=args.prefix_cache_max_bytes,
         prefix_cache_l2_dir=args.prefix_cache_l2_dir, prefix_cache_l2_max_bytes=args.prefix_cache_l2_max_bytes,
         chat_template_args=args.chat_template_args, prefill_step_size=args.prefill_step_size,
+        reasoning_parser=args.reasoning_parser,
     )
     failed: list[BaseException] = []
 

@@ -1141,3 +1141,84 @@ def test_model_without_tokenizer_takes_token_ids(zlab):
         assert metrics_json(base)["recent"][-1]["mode"].startswith("dflash")
         r = httpx.post(base + "/v1/chat/completions", json={"messages": OK_MSGS})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_reasoning_splitter_any_chunking():
+    import random as _random
+
+    from dflash_torch.reasoning import ReasoningSplitter
+
+    cases = [("<think>\nstep one\n</think>\n\nThe answer.", False, "\nstep one\n", "The answer."),
+             ("still thinking</think>\nDone <think>not a tag here</think>", True, "still thinking",
+              "Done <think>not a tag here</think>"),
+             ("No thinking at all, <think> is text.", False, "", "No thinking at all, <think> is text."),
+             (" \n<think>a</thi", False, "a</thi", ""),  # cut off inside the block: all reasoning
+             ("<thi", False, "", "<thi")]
+    for text, inside, reasoning, content in cases:
+        for seed in range(30):
+            rng, sp, got = _random.Random(seed), ReasoningSplitter(inside), ["", ""]
+            i = 0
+            while i < len(text):
+                n = rng.randint(1, 6)
+                for k, part in enumerate(sp.feed(text[i : i + n])):
+                    got[k] += part
+                i += n
+            for k, part in enumerate(sp.finish()):
+                got[k] += part
+            assert got == [reasoning, content], (text, seed, got)
+
+
+def test_reasoning_tags_detected(pipe):
+    from dflash_torch.reasoning import has_think_tags, starts_inside
+
+    assert starts_inside("<|assistant|><think>\n") and not starts_inside("<think>a</think>\n<|assistant|>")
+    assert not starts_inside("<|assistant|>")
+    assert not has_think_tags(pipe.tokenizer) and not has_think_tags(None)
+    fake = type("T", (), {"get_vocab": lambda self: {"<think>": 5, "</think>": 6, "a": 1}})()
+    assert has_think_tags(fake)
+
+
+def test_reasoning_content(pipe, monkeypatch):
+    """--reasoning-parser think: the think block comes back as reasoning_content (streamed as
+    delta.reasoning_content), the rest as content; a tool call after the block is still parsed;
+    completions and --reasoning-parser none keep the text whole. Scripted output, as for tool calls."""
+    from dflash_torch import server as server_module
+
+    script = {"text": ""}
+
+    def scripted(target, prompt, *, max_new_tokens, **kw):
+        yield from pipe.encode(script["text"], chat=False)[:max_new_tokens]
+        yield pipe.stop_token_ids[0]
+
+    monkeypatch.setattr(server_module, "generate_tokens", scripted)
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    script["text"] = "<think>\nThe user wants weather.\n</think>\n\nIt is sunny."
+    with serve(pipe, reasoning_parser="think") as base:
+        c = client(base)
+        r = c.chat.completions.create(model="t", messages=user, max_tokens=200)
+        m = r.choices[0].message
+        assert m.content == "It is sunny." and m.model_extra["reasoning_content"] == "\nThe user wants weather.\n"
+        chunks = list(c.chat.completions.create(model="t", messages=user, max_tokens=200, stream=True))
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        assert "".join(d.content or "" for d in deltas) == "It is sunny."
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == \
+            "\nThe user wants weather.\n"
+        r = c.completions.create(model="t", prompt="x", max_tokens=200)
+        assert r.choices[0].text == script["text"]
+        call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+        script["text"] = "<think>Use the tool.</think>" + call
+        r = c.chat.completions.create(model="t", messages=user, tools=[WEATHER], max_tokens=300)
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name \
+            == "get_weather"
+        assert r.choices[0].message.model_extra["reasoning_content"] == "Use the tool."
+        script["text"] = "A plain answer."
+        r = c.chat.completions.create(model="t", messages=user, max_tokens=200)
+        m = r.choices[0].message
+        assert m.content == "A plain answer." and "reasoning_content" not in m.model_extra
+    script["text"] = "<think>hm</think>ok"
+    with serve(pipe, reasoning_parser="none") as base:
+        r = client(base).chat.completions.create(model="t", messages=user, max_tokens=200)
+        assert r.choices[0].message.content == "<think>hm</think>ok"
+    with serve(pipe) as base:  # auto: this tokenizer has no <think> token, so no parsing
+        r = client(base).chat.completions.create(model="t", messages=user, max_tokens=200)
+        assert r.choices[0].message.content == "<think>hm</think>ok"
