@@ -38,9 +38,9 @@ prepare() {
     # what the server, the GGUF loader, the tests and the Qwen3.5 CUDA path (fla) need beyond a stock
     # PyTorch + transformers image
     local pkgs=(fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection gguf openai
-                distro jiter sniffio flash-linear-attention fla-core)
+                distro jiter sniffio flash-linear-attention fla-core llguidance)
     local plats=()
-    for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
+    for p in manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
              manylinux1_x86_64 any; do plats+=(--platform "$p"); done
     .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" \
         --implementation cp "${plats[@]}" -d "$DIR/whl" "${pkgs[@]}"
