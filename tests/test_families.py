@@ -203,6 +203,30 @@ def test_lossless_generation(families, name, prompts, tmp_path):
     assert len(lengths) >= 8  # partial acceptance of many lengths happened (committed 1 .. 16 per cycle)
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma4"])
+@torch.inference_mode()
+def test_penalties_and_logprobs_with_rollback(families, name, tmp_path):
+    """Penalised greedy decoding with log-probabilities through a recurrent-state target (Qwen3.5) and a
+    sliding-window one (Gemma 4): speculation, with rollback after rejections, gives target-only's tokens
+    and log-probabilities."""
+    from dflash_torch.sampling import Sampler, TokenLogprobs
+
+    path, _, ours = families[name]
+    drafter = load_drafter(make_drafter(path, tmp_path / "draft", block_size=8))
+    settings = dict(presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.4, logit_bias={7: 2.0})
+    rng = random.Random(3)
+    for _ in range(3):
+        prompt = [rng.randrange(255) for _ in range(rng.randint(2, 20))]
+        ref = TokenLogprobs(2)
+        want = list(generate_tokens(ours, prompt, max_new_tokens=24, sampler=Sampler(**settings), logprobs=ref))
+        truth = prompt + list(generate_tokens(ours, prompt, max_new_tokens=40, sampler=Sampler(**settings)))
+        for d in (drafter, OracleDrafter(truth, 256, 8, drafter.target_layer_ids, p=0.25, seed=5)):
+            got = TokenLogprobs(2)
+            assert list(generate_tokens(ours, prompt, max_new_tokens=24, drafter=d, sampler=Sampler(**settings),
+                                        logprobs=got, lookup=True)) == want
+            assert all(abs(a[0] - b[0]) < 1e-4 for a, b in zip(got.entries, ref.entries))
+
+
 def _rowwise_linear(self, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([F.linear(x[..., i : i + 1, :], self.weight, self.bias) for i in range(x.shape[-2])], dim=-2)
 
