@@ -277,7 +277,8 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
         elif bs > 1:
             ctx = pending[0] if len(pending) == 1 else torch.cat(pending, dim=1)  # [1, Tc, n_taps * H]
             draft_logits = drafter.propose(target, block, ctx, draft_cache)  # [1, bs - 1, V]
-            block[0, 1:], draft_probs = sampler.draft(draft_logits[0])
+            block[0, 1:], draft_probs = (sampler.draft(draft_logits[0]) if constraint is None
+                                         else constraint.draft(draft_logits[0], sampler))
             pending = []  # the drafter's cache holds it now
         out = target(block, cache, logits="all", taps=taps)  # verify: logits at every block position
         accepted, bonus = sampler.verify(block[0, 1:], chosen_from(out.logits[0], block[0, 1:]), draft_probs)

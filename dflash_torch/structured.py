@@ -94,6 +94,29 @@ class Constraint:
             self.matcher.rollback(ok)
         return out
 
+    def draft(self, draft_logits: torch.Tensor, sampler) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafter's tokens [K] (and q [K, V] when sampling) chosen under the grammar, position by
+        position: a draft the grammar refuses would be rejected anyway, so the drafter's best allowed
+        token goes in its place. Any proposal keeps the output exact; this one is kept more often."""
+        tokens, qs, taken, free = [], [], 0, False  # free: past a stop token, where nothing matters
+        for i in range(draft_logits.shape[0]):
+            row = draft_logits[i : i + 1].float()  # [1, V]
+            if not free:
+                row = row.masked_fill(~self._row().to(row.device), float("-inf"))
+            token, q = sampler.draft(row)
+            tokens.append(int(token[0]))
+            qs.append(q)
+            if not free:
+                # (validate first: a refused token would leave the matcher in its error state)
+                if tokens[-1] in self.stops or self.matcher.validate_tokens(tokens[-1:]) != 1:
+                    free = True
+                else:
+                    self.matcher.consume_token(tokens[-1])
+                    taken += 1
+        if taken:
+            self.matcher.rollback(taken)
+        return torch.tensor(tokens, device=draft_logits.device), None if qs[0] is None else torch.cat(qs)
+
     def commit(self, tokens: list[int]) -> None:
         tokens = [t for t in tokens if t not in self.stops]  # the last token, if any: the generation ends
         if tokens and not self.matcher.consume_tokens(tokens):

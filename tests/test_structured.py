@@ -122,3 +122,23 @@ def test_generate_command(pipe, capsys):
         assert "dflash: error:" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one grammar at a time (argparse)
         cli.main(base + ["--regex", "a", "--json-object"])
+
+
+def test_drafts_are_chosen_under_the_grammar(pipe):
+    """constraint.draft: every proposed token up to a stop token is one the grammar allows in sequence
+    (so it can be kept), the matcher is left as it was, and sampled drafts come with their q rows."""
+    torch.manual_seed(0)
+    for kind, spec in GRAMMARS:
+        c = pipe.constraint(kind, spec)
+        c.commit(pipe.encode("", chat=False))
+        before = c.mask([], 1)
+        for sampler in (Sampler(), Sampler(1.0, seed=3)):
+            logits = torch.randn(7, pipe.target.config.vocab_size) * 5
+            tokens, q = c.draft(logits, sampler)
+            run = tokens.tolist()
+            run = run[: next((i for i, t in enumerate(run) if t in pipe.stop_token_ids), len(run))]
+            assert c.matcher.validate_tokens(run) == len(run), (kind, run)
+            assert (q is None) == sampler.greedy and (q is None or q.shape == logits.shape)
+            if q is not None:  # each draft was drawn from its q, which gives refused tokens nothing
+                assert (q.gather(1, tokens[:, None]) > 0).all()
+            assert torch.equal(c.mask([], 1), before)
