@@ -49,3 +49,18 @@ def test_chat_refuses_what_it_cannot_do(chat_model, zlab, monkeypatch, capsys):
     assert "no tokenizer" in capsys.readouterr().err
     assert cli.main(["chat", "--model", str(target), "--prefill-step-size", "0"]) == 2
     assert "--prefill-step-size must be >= 1" in capsys.readouterr().err
+
+
+def test_chat_with_a_grammar_and_penalties(chat_model, monkeypatch, capsys):
+    """--regex and --presence-penalty hold for every reply, as in one-shot generation."""
+    from dflash_torch.sampling import Sampler
+
+    target, draft = chat_model
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\nAgain\n"))
+    assert cli.main(["chat", "--model", str(target), "--draft", str(draft), "--device", "cpu", "--max-tokens", "24",
+                     "--regex", "(ab|cd)+x", "--presence-penalty", "0.5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    pipe = load(str(target), str(draft), device="cpu", dtype="float32")
+    r = generate(pipe, pipe.encode_messages([{"role": "user", "content": "Hello"}]), 24, use_draft=False,
+                 grammar=("regex", "(ab|cd)+x"), sampler=Sampler(presence_penalty=0.5))
+    assert out[0] == pipe.decode(r.token_ids) and len(out) == 2
