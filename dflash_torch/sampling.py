@@ -35,8 +35,8 @@ class History:
 @dataclass
 class TokenLogprobs:
     """Collects, for each emitted token, its log-probability under the target's own distribution
-    (log-softmax of the raw logits: before temperature, filtering, penalties and grammar) and the `top` most likely tokens
-    there. `entries[i]` = (logprob, [top ids], [top logprobs]) for the i-th token of the generation.
+    (log-softmax of the raw logits: before temperature, filtering, penalties and grammar) and the `top`
+    most likely tokens there. `entries[i]` = (logprob, [top ids], [top logprobs]) for the i-th token of the generation.
     The rows are the target's logits at the emitted positions, the same in a verify pass as in decode
     steps, so speculative decoding reports what target-only decoding reports."""
 

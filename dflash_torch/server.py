@@ -140,7 +140,7 @@ class GenRequest:
     include_usage: bool
     sampler: Sampler
     logprobs: int | None = None  # None: not asked for; k: each token's log-probability and its k best
-    grammar: str | None = None  # structured output: an llguidance grammar the output follows
+    grammar: tuple | str | None = None  # structured output: parse_grammar's, then the compiled grammar
     n: int = 1  # choices
 
 
@@ -211,9 +211,10 @@ def parse_common(body: dict, min_tokens: int = 1) -> GenRequest:
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "lark"}
 
 
-def parse_grammar(body: dict) -> str | None:
-    """The grammar the output must follow: OpenAI's response_format (json_object, json_schema), or
-    vLLM's guided_json / guided_regex / guided_choice / guided_grammar (Lark); None for free text."""
+def parse_grammar(body: dict) -> tuple[str, str, object] | None:
+    """What the output must follow, as (field, kind, spec) for `compile_grammar`: OpenAI's response_format
+    (json_object, json_schema), or vLLM's guided_json / guided_regex / guided_choice / guided_grammar
+    (Lark); None for free text."""
     given = [name for name in GUIDED if body.get(name) is not None]
     try:
         fmt = structured.parse_response_format(body.get("response_format"))
@@ -232,8 +233,17 @@ def parse_grammar(body: dict) -> str | None:
             spec = json.loads(spec)
         except json.JSONDecodeError:
             raise bad("'guided_json' must be a JSON schema", name) from None
+    return name, kind, spec
+
+
+async def compile_grammar(given: tuple[str, str, object] | None) -> str | None:
+    """parse_grammar's (field, kind, spec) -> the llguidance grammar, compiled off the event loop (a large
+    schema can take a while); a 400 naming the field when it does not compile."""
+    if given is None:
+        return None
+    name, kind, spec = given
     try:
-        return structured.grammar(kind, spec)
+        return await asyncio.to_thread(structured.grammar, kind, spec)
     except ValueError as e:
         raise bad(str(e), name) from None
 
@@ -1291,6 +1301,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                       tools: list[dict] | None = None, streamer=None, echo: str | None = None,
                       echo_ids: bool = False):
         pipe = engine.ready()
+        req.grammar = await compile_grammar(req.grammar)
         prompt_param = "messages" if endpoint == "chat" else "prompt"
         room = pipe.max_context - len(ids)
         if room < 1:
