@@ -26,7 +26,7 @@ import torch
 from dflash_torch import cli
 from dflash_torch.fallback import FallbackController
 from dflash_torch.generate import Pipeline, generate, load
-from dflash_torch.server import ServerConfig, TextStream, create_app, parse_bytes
+from dflash_torch.server import ServerConfig, TextStream, create_app, parse_bytes, parse_messages
 from dflash_torch.speculative import generate_tokens
 
 from .conftest import make_drafter, make_hf_model
@@ -938,11 +938,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                            "properties": {"city": {"type": "string"}}}}}
 
 
-def test_tool_calls(pipe, monkeypatch):
-    """Tools reach the chat template; a `<tool_call>{json}</tool_call>` in the model's text comes back as
-    OpenAI tool_calls (streamed or not, finish_reason "tool_calls"); history with calls and tool results
-    renders; what the server does not do is a 400. The tiny model cannot call tools, so the generation
-    is scripted: token ids of a fixed text (one token per character)."""
+def script_generation(pipe: Pipeline, monkeypatch) -> dict:
+    """Make the server's generations the token ids of script["text"] (one token per character) and then
+    a stop token: for behaviour the tiny random model cannot show (tool calls, reasoning)."""
     from dflash_torch import server as server_module
 
     script = {"text": ""}
@@ -952,6 +950,15 @@ def test_tool_calls(pipe, monkeypatch):
         yield pipe.stop_token_ids[0]
 
     monkeypatch.setattr(server_module, "generate_tokens", scripted)
+    return script
+
+
+def test_tool_calls(pipe, monkeypatch):
+    """Tools reach the chat template; a `<tool_call>{json}</tool_call>` in the model's text comes back as
+    OpenAI tool_calls (streamed or not, finish_reason "tool_calls"); history with calls and tool results
+    renders; what the server does not do is a 400. The tiny model cannot call tools, so the generation
+    is scripted: token ids of a fixed text (one token per character)."""
+    script = script_generation(pipe, monkeypatch)
     user = [{"role": "user", "content": "Weather in Paris?"}]
     with serve(pipe) as base:
         c = client(base)
@@ -979,7 +986,7 @@ def test_tool_calls(pipe, monkeypatch):
         r = c.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=200)
         assert r.choices[0].message.content == "It is sunny." and not r.choices[0].message.tool_calls
         assert r.choices[0].finish_reason == "stop"
-        rendered = pipe.decode(pipe.encode_messages(server_module.parse_messages(history), tools=[WEATHER]))
+        rendered = pipe.decode(pipe.encode_messages(parse_messages(history), tools=[WEATHER]))
         assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered
 
         # a call of an undeclared tool stays text; tool_choice "none" shows no tools and parses nothing
@@ -1038,15 +1045,8 @@ def test_responses_api(server, pipe, monkeypatch):
     assert events[-1].response.output_text == solo(pipe, ids, 20)
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
-    from dflash_torch import server as server_module
-
-    script = {"text": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'}
-
-    def scripted(target, prompt, *, max_new_tokens, **kw):
-        yield from pipe.encode(script["text"], chat=False)[:max_new_tokens]
-        yield pipe.stop_token_ids[0]
-
-    monkeypatch.setattr(server_module, "generate_tokens", scripted)
+    script = script_generation(pipe, monkeypatch)
+    script["text"] = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
     r = c.responses.create(model="tiny", input="Weather in Paris?", tools=[tool], max_output_tokens=200)
     call = r.output[0]
@@ -1182,15 +1182,7 @@ def test_reasoning_content(pipe, monkeypatch):
     """--reasoning-parser think: the think block comes back as reasoning_content (streamed as
     delta.reasoning_content), the rest as content; a tool call after the block is still parsed;
     completions and --reasoning-parser none keep the text whole. Scripted output, as for tool calls."""
-    from dflash_torch import server as server_module
-
-    script = {"text": ""}
-
-    def scripted(target, prompt, *, max_new_tokens, **kw):
-        yield from pipe.encode(script["text"], chat=False)[:max_new_tokens]
-        yield pipe.stop_token_ids[0]
-
-    monkeypatch.setattr(server_module, "generate_tokens", scripted)
+    script = script_generation(pipe, monkeypatch)
     user = [{"role": "user", "content": "Weather in Paris?"}]
     script["text"] = "<think>\nThe user wants weather.\n</think>\n\nIt is sunny."
     with serve(pipe, reasoning_parser="think") as base:
