@@ -15,6 +15,7 @@ import json
 import re
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 _TOKENIZERS: dict[tuple[int, int, tuple[int, ...]], object] = {}  # building one takes about a second
@@ -72,11 +73,11 @@ class Constraint:
         if self.matcher.is_error():
             raise ValueError(f"the grammar is not valid: {self.matcher.get_error()}")
         self.vocab_size, self.stops = vocab_size, set(stop_token_ids)
-        self._bits = 1 << torch.arange(32, dtype=torch.int64)  # [32]
 
     def _row(self) -> torch.Tensor:
-        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32).to(torch.int64)
-        return ((words[:, None] & self._bits) != 0).reshape(-1)[: self.vocab_size]  # [V] bool
+        """Allowed tokens [V] (bool) now: the matcher's bitmask (bit t of the little-endian words = token t)."""
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        return torch.from_numpy(bits[: self.vocab_size].astype(bool))
 
     def mask(self, drafts: list[int], rows: int) -> torch.Tensor:
         """Allowed tokens [rows, V] (bool): row i after drafts[:i]. Rows past the first draft the grammar
