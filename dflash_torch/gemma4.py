@@ -35,6 +35,7 @@ from torch import nn
 from .cache import KVCache
 from .layers import ACTIVATIONS, MLP, Linear, attend, attention_mask
 from .llama import Output
+from .moe import Experts
 from .rope import apply_rotary, inv_freq
 
 MODEL_TYPES = ("gemma4", "gemma4_text", "gemma3", "gemma3_text")
@@ -281,26 +282,6 @@ class Router(nn.Module):
         return weights * self.per_expert_scale[index], index
 
 
-class Experts(nn.Module):
-    """Expert MLPs stored as 3-D tensors: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
-
-    def __init__(self, c: Gemma4Config) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, c.moe_intermediate_size))
-        self.act = ACTIVATIONS[c.hidden_activation]
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """x [N, H]; each token goes through its k experts, outputs summed with the router weights."""
-        out = torch.zeros_like(x)
-        for e in index.unique().tolist():
-            token, slot = torch.where(index == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, c: Gemma4Config, layer: int) -> None:
         super().__init__()
@@ -316,7 +297,7 @@ class DecoderLayer(nn.Module):
         self.moe = c.num_experts > 0
         if self.moe:
             self.router = Router(c)
-            self.experts = Experts(c)
+            self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, c.hidden_activation)
             self.post_feedforward_layernorm_1 = GemmaRMSNorm(h, eps)
             self.post_feedforward_layernorm_2 = GemmaRMSNorm(h, eps)
             self.pre_feedforward_layernorm_2 = GemmaRMSNorm(h, eps)

@@ -17,14 +17,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import gemma4, llama, qwen3_5
+from . import gemma4, llama, qwen3_5, qwen3_5_moe
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # model_type in config.json -> the file implementing that family.
 FAMILIES = {t: llama for t in llama.MODEL_TYPES}
-FAMILIES.update({t: qwen3_5 for t in qwen3_5.MODEL_TYPES + qwen3_5.MOE_TYPES})  # MoE: a clear error
+FAMILIES.update({t: qwen3_5 for t in qwen3_5.MODEL_TYPES})
+FAMILIES.update({t: qwen3_5_moe for t in qwen3_5_moe.MODEL_TYPES})
 FAMILIES.update({t: gemma4 for t in gemma4.MODEL_TYPES})
 
 

@@ -17,7 +17,7 @@ verify, and the only form that yields the state after every token) and a chunked
 prefills (matrix products over chunks of 64 tokens; flash-linear-attention's kernel when it is
 installed and the model is on CUDA). `test_families.py` checks that the forms agree.
 
-MoE variants (`qwen3_5_moe`) are not supported yet: `from_config` says so.
+The mixture-of-experts variants (`qwen3_5_moe`) are this stack with sparse MLPs: `qwen3_5_moe.py`.
 """
 
 from __future__ import annotations
@@ -84,11 +84,6 @@ class Qwen35Config:
         """From a config.json: text-only (`qwen3_5_text`) or multimodal (`qwen3_5`, settings in text_config)."""
         model_type = d.get("model_type", "qwen3_5_text")
         text = d.get("text_config") or d
-        if model_type in MOE_TYPES or text.get("model_type") in MOE_TYPES or text.get("num_experts"):
-            raise ValueError(
-                f"model type {model_type!r} is a Qwen3.5/3.6 mixture-of-experts model; only the dense Qwen3.5/3.6 "
-                "models are supported for now"
-            )
         n_layers = text["num_hidden_layers"]
         layer_types = text.get("layer_types")
         if layer_types is None:  # transformers' default: every `full_attention_interval`-th layer is full attention
@@ -107,7 +102,7 @@ class Qwen35Config:
         return cls(
             vocab_size=text["vocab_size"],
             hidden_size=text["hidden_size"],
-            intermediate_size=text["intermediate_size"],
+            intermediate_size=text.get("intermediate_size") or 0,  # 0: MoE models have none
             num_hidden_layers=n_layers,
             num_attention_heads=heads,
             num_key_value_heads=text.get("num_key_value_heads") or heads,
@@ -613,6 +608,9 @@ class Model(nn.Module):
 
 
 def from_config(config: dict) -> Model:
+    text = config.get("text_config") or config
+    if text.get("num_experts") or not text.get("intermediate_size"):
+        raise ValueError(f"{config.get('model_type')!r} with experts: a mixture-of-experts model (qwen3_5_moe)")
     return Model(Qwen35Config.from_dict(config))
 
 

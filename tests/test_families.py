@@ -34,6 +34,9 @@ QWEN = dict(
 # Tiny Gemma 4 with every text-model feature: sliding window 8 (prompts are longer), global layers with their
 # own head dim, one KV head and values from the key projection, per-layer inputs, the last 3 layers sharing
 # keys/values (double-wide MLP there), final logit soft-capping.
+# Tiny Qwen3.5 MoE: the same stack with 8 experts (2 per token) of 32 and a shared expert of 48.
+QWEN_MOE = {k: v for k, v in QWEN.items() if k != "intermediate_size"} | dict(
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 GEMMA4 = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8, layer_types=[S, G, S, S, G, S, S, G],
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
@@ -72,6 +75,8 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(("scale", "per_expert_scale", "dt_bias")):
                 p.copy_(p + 0.3 * torch.randn(p.shape, generator=g))
+            if name.endswith((".mlp.gate.weight", "shared_expert_gate.weight")):  # routers start at zero
+                p.normal_(0, 0.5, generator=g)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.uniform_(0.5, 1.5, generator=g)
@@ -83,6 +88,7 @@ def _save(kind: str, cfg: dict, path: Path, seed: int):
 
     cls = {
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+        "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
         "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[kind]
@@ -100,7 +106,7 @@ def families(tmp_path_factory) -> dict:
     out = {}
     for i, (name, kind, cfg) in enumerate([
         ("qwen3_5", "qwen3_5", QWEN), ("gemma4", "gemma4", GEMMA4),
-        ("gemma4_moe", "gemma4", GEMMA4_MOE), ("gemma3", "gemma3", GEMMA3),
+        ("gemma4_moe", "gemma4", GEMMA4_MOE), ("gemma3", "gemma3", GEMMA3), ("qwen3_5_moe", "qwen3_5_moe", QWEN_MOE),
     ]):
         hf = _save(kind, cfg, base / name, seed=i)
         out[name] = (base / name, hf, loading.load_target(base / name, CPU, torch.float32))
@@ -111,7 +117,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "gemma4", "gemma4_moe", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "gemma4", "gemma4_moe", "gemma3"])
 @pytest.mark.parametrize("prompt_len", [20, 100])  # Qwen3.5: recurrent and chunked (> 64 tokens) prefill
 @torch.inference_mode()
 def test_matches_transformers(families, name, prompt_len):
@@ -173,7 +179,7 @@ class OracleDrafter:
         return logits
 
 
-@pytest.mark.parametrize(("name", "prompts"), [("qwen3_5", 6), ("gemma4", 5), ("gemma4_moe", 3)])
+@pytest.mark.parametrize(("name", "prompts"), [("qwen3_5", 6), ("qwen3_5_moe", 3), ("gemma4", 5), ("gemma4_moe", 3)])
 @torch.inference_mode()
 def test_lossless_generation(families, name, prompts, tmp_path):
     """Speculative greedy output == transformers' greedy output, with a random drafter (almost everything
