@@ -33,7 +33,7 @@ class GraphedTarget:
     single_cache = True  # new_cache hands out the same cache again (a prefix cache must not keep it meanwhile)
 
     def __init__(self, target: Model, use_graphs: bool = True) -> None:
-        if not isinstance(target, Model):
+        if not isinstance(target, Model) or not target.graphable:
             raise ValueError(
                 f"--cuda-graphs supports Llama-family targets (llama, mistral, qwen2, qwen3) so far, not "
                 f"{type(target).__module__.rsplit('.', 1)[-1]}"

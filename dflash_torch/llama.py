@@ -153,6 +153,8 @@ class Output:
 class Model(nn.Module):
     """A Llama-family causal LM over a static KV cache."""
 
+    graphable = True  # its passes can be captured as CUDA graphs (cudagraph.py)
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import gemma4, llama, qwen3_5, qwen3_5_moe
+from . import gemma4, llama, qwen3_5, qwen3_5_moe, qwen3_moe
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -26,6 +26,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FAMILIES = {t: llama for t in llama.MODEL_TYPES}
 FAMILIES.update({t: qwen3_5 for t in qwen3_5.MODEL_TYPES})
 FAMILIES.update({t: qwen3_5_moe for t in qwen3_5_moe.MODEL_TYPES})
+FAMILIES.update({t: qwen3_moe for t in qwen3_moe.MODEL_TYPES})
 FAMILIES.update({t: gemma4 for t in gemma4.MODEL_TYPES})
 
 

@@ -34,7 +34,8 @@ class Qwen35MoeConfig(Qwen35Config):
         text = d.get("text_config") or d
         # the dense stack's MLP size sizes the placeholders the experts replace
         base = vars(Qwen35Config.from_dict(d)) | {"intermediate_size": text["moe_intermediate_size"]}
-        return cls(**base, num_experts=text["num_experts"], num_experts_per_tok=text["num_experts_per_tok"],
+        return cls(**base, num_experts=text.get("num_experts") or text["num_local_experts"],
+                   num_experts_per_tok=text["num_experts_per_tok"],
                    moe_intermediate_size=text["moe_intermediate_size"],
                    shared_expert_intermediate_size=text.get("shared_expert_intermediate_size") or 0)
 

@@ -33,8 +33,8 @@ DRAFTERS: dict[str, str] = {
 }
 
 # Families whose target runtime exists in this package (model_type in config.json).
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
-                   "gemma4", "gemma4_text", "gemma3", "gemma3_text")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                   "qwen3_5_moe_text", "gemma4", "gemma4_text", "gemma3", "gemma3_text")
 
 _SUFFIXES = re.compile(
     r"([-_.](gguf|awq|gptq|fp8|fp16|bf16|int8|int4|mlx|[0-9]+bit|q[0-9]_[0-9a-z_]+|q[0-9]+|"

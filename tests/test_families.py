@@ -37,6 +37,11 @@ QWEN = dict(
 # Tiny Qwen3.5 MoE: the same stack with 8 experts (2 per token) of 32 and a shared expert of 48.
 QWEN_MOE = {k: v for k, v in QWEN.items() if k != "intermediate_size"} | dict(
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+# Tiny Qwen3 MoE: 8 experts (2 per token, renormalised), layer 2 dense.
+QWEN3_MOE = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[2])
 GEMMA4 = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8, layer_types=[S, G, S, S, G, S, S, G],
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
@@ -89,6 +94,7 @@ def _save(kind: str, cfg: dict, path: Path, seed: int):
     cls = {
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
         "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[kind]
@@ -107,6 +113,7 @@ def families(tmp_path_factory) -> dict:
     for i, (name, kind, cfg) in enumerate([
         ("qwen3_5", "qwen3_5", QWEN), ("gemma4", "gemma4", GEMMA4),
         ("gemma4_moe", "gemma4", GEMMA4_MOE), ("gemma3", "gemma3", GEMMA3), ("qwen3_5_moe", "qwen3_5_moe", QWEN_MOE),
+        ("qwen3_moe", "qwen3_moe", QWEN3_MOE),
     ]):
         hf = _save(kind, cfg, base / name, seed=i)
         out[name] = (base / name, hf, loading.load_target(base / name, CPU, torch.float32))
@@ -117,7 +124,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "gemma4", "gemma4_moe", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "qwen3_moe", "gemma4", "gemma4_moe", "gemma3"])
 @pytest.mark.parametrize("prompt_len", [20, 100])  # Qwen3.5: recurrent and chunked (> 64 tokens) prefill
 @torch.inference_mode()
 def test_matches_transformers(families, name, prompt_len):
@@ -179,7 +186,8 @@ class OracleDrafter:
         return logits
 
 
-@pytest.mark.parametrize(("name", "prompts"), [("qwen3_5", 6), ("qwen3_5_moe", 3), ("gemma4", 5), ("gemma4_moe", 3)])
+@pytest.mark.parametrize(("name", "prompts"), [("qwen3_5", 6), ("qwen3_5_moe", 3), ("qwen3_moe", 3), ("gemma4", 5),
+                                                ("gemma4_moe", 3)])
 @torch.inference_mode()
 def test_lossless_generation(families, name, prompts, tmp_path):
     """Speculative greedy output == transformers' greedy output, with a random drafter (almost everything
@@ -416,6 +424,25 @@ def test_cuda_graphs_refuse_other_families(families):
     """--cuda-graphs covers Llama-family targets; the others say so instead of failing mid-generation."""
     from dflash_torch.cudagraph import GraphedTarget
 
-    for name in ("qwen3_5", "gemma4", "gemma3"):
+    for name in ("qwen3_5", "qwen3_5_moe", "qwen3_moe", "gemma4", "gemma3"):
         with pytest.raises(ValueError, match="Llama-family"):
             GraphedTarget(families[name][2], use_graphs=False)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
+def test_moe_quantized_speculation_is_exact(families, name, tmp_path):
+    """int4 weights on an MoE target (the shared expert and attention quantized, the experts as loaded):
+    speculation with a drafter and prompt lookup gives target-only decoding's tokens bit for bit."""
+    from dflash_torch.quantize import quantize_int4
+
+    path = families[name][0]
+    ours = quantize_int4(loading.load_target(path, CPU, torch.float32))
+    drafter = load_drafter(make_drafter(path, tmp_path / "draft", block_size=8))
+    rng = random.Random(6)
+    with torch.inference_mode():
+        for _ in range(3):
+            prompt = [rng.randrange(255) for _ in range(rng.randint(2, 20))]
+            want = list(generate_tokens(ours, prompt, max_new_tokens=24))
+            truth = prompt + list(generate_tokens(ours, prompt, max_new_tokens=40))
+            for d in (drafter, OracleDrafter(truth, 256, 8, drafter.target_layer_ids, p=0.2, seed=2)):
+                assert list(generate_tokens(ours, prompt, max_new_tokens=24, drafter=d, lookup=True)) == want
