@@ -47,7 +47,7 @@ MAX_BODY_BYTES = 1 << 20
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # the hold-back check costs up to len(stop)^2 per token
 ROLES = ("system", "user", "assistant", "tool")
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
-             "/v1/models": "models",
+             "/v1/models": "models", "/tokenize": "tokenize", "/detokenize": "detokenize",
              "/health": "health", "/metrics": "metrics", "/metrics.json": "metrics"}
 # Accepted by OpenAI but not implemented here: refuse rather than silently answer something else.
 UNSUPPORTED = ("suffix", "functions")
@@ -1176,6 +1176,37 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         card = {"id": engine.name, "object": "model", "created": int(time.time()), "owned_by": "dflash-torch",
                 "max_model_len": pipe.max_context if pipe else None}
         return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: {"prompt": text} or {"messages": [...]} -> {"tokens", "count", "max_model_len"}: the
+        prompt tokens a completion or chat request with that input would run (template and tools included)."""
+        body = await request_body(request)
+        pipe = engine.ready()
+        if (body.get("messages") is None) == (body.get("prompt") is None):
+            raise bad("give one of 'prompt' (text) or 'messages'", "prompt")
+        if body.get("messages") is not None:
+            args = config.chat_template_args | _field(body, "chat_template_kwargs", "object", {})
+            ids = await asyncio.to_thread(engine.encode, messages=parse_messages(body["messages"]), template_args=args,
+                                          tools=parse_tools(body))
+        else:
+            ids = await asyncio.to_thread(engine.encode, prompt=_field(body, "prompt", "str"))
+        return {"tokens": ids, "count": len(ids), "max_model_len": pipe.max_context}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's: {"tokens": [ids]} -> {"prompt": text} (special tokens kept)."""
+        body = await request_body(request)
+        pipe = engine.ready()
+        ids = body.get("tokens")
+        vocab = pipe.target.config.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                for t in ids):
+            raise bad(f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+        if pipe.tokenizer is None:
+            raise bad("this model has no tokenizer", "tokens")
+        with engine.tokenizer_lock:
+            return {"prompt": pipe.tokenizer.decode(ids, skip_special_tokens=False)}
 
     @app.get("/metrics")
     async def metrics(format: str = "prometheus"):

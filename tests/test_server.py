@@ -1214,3 +1214,19 @@ def test_reasoning_content(pipe, monkeypatch):
     with serve(pipe) as base:  # auto: this tokenizer has no <think> token, so no parsing
         r = client(base).chat.completions.create(model="t", messages=user, max_tokens=200)
         assert r.choices[0].message.content == "<think>hm</think>ok"
+
+
+def test_tokenize_and_detokenize(server, pipe):
+    """vLLM's /tokenize and /detokenize: the prompt tokens a request would run, and text back."""
+    r = httpx.post(server + "/tokenize", json={"messages": MSGS}).json()
+    assert r["tokens"] == pipe.encode_messages(MSGS) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == pipe.max_context
+    r = httpx.post(server + "/tokenize", json={"prompt": "Once upon"}).json()
+    assert r["tokens"] == pipe.encode("Once upon", chat=False)
+    back = httpx.post(server + "/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back["prompt"] == "Once upon"
+    for path, body, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": MSGS}, "prompt"),
+                              ("/tokenize", {"prompt": 5}, "prompt"), ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": "ab"}, "tokens")):
+        resp = httpx.post(server + path, json=body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (path, body)
