@@ -103,12 +103,16 @@ class Constraint:
         for i in range(draft_logits.shape[0]):
             row = draft_logits[i : i + 1].float()  # [1, V]
             if not free:
-                row = row.masked_fill(~self._row().to(row.device), float("-inf"))
+                masked = row.masked_fill(~self._row().to(row.device), float("-inf"))
+                if torch.isfinite(masked).any():
+                    row = masked
+                else:  # nothing allowed that the drafter can propose (a draft vocabulary): any proposal will do
+                    free = True
             token, q = sampler.draft(row)
             tokens.append(int(token[0]))
             qs.append(q)
             if not free:
-                # (validate first: a refused token would leave the matcher in its error state)
+                # (validated first: a refused token would leave the matcher in its error state)
                 if tokens[-1] in self.stops or self.matcher.validate_tokens(tokens[-1:]) != 1:
                     free = True
                 else:

@@ -142,3 +142,20 @@ def test_drafts_are_chosen_under_the_grammar(pipe):
             if q is not None:  # each draft was drawn from its q, which gives refused tokens nothing
                 assert (q.gather(1, tokens[:, None]) > 0).all()
             assert torch.equal(c.mask([], 1), before)
+
+
+def test_a_draft_vocabulary_the_grammar_never_allows(pipe):
+    """The drafter can propose none of the tokens the grammar allows (its draft vocabulary lacks them):
+    greedy and sampled generation still follow the grammar, greedy still equals target-only."""
+    tok = pipe.tokenizer.convert_tokens_to_ids
+    pipe.drafter.set_draft_vocab([tok("q"), tok("z")])
+    try:
+        ids = _ids(pipe)
+        want = generate(pipe, ids, 30, use_draft=False, grammar=("regex", "(ab|cd)+x"))
+        assert generate(pipe, ids, 30, grammar=("regex", "(ab|cd)+x"), lookup=False).token_ids == want.token_ids
+        for seed in range(3):
+            r = generate(pipe, ids, 30, grammar=("regex", "(ab|cd)+x"), lookup=False, sampler=Sampler(1.0, seed=seed))
+            if r.finish_reason == "stop":
+                assert re.fullmatch("(ab|cd)+x", r.text)
+    finally:
+        pipe.drafter.set_draft_vocab(None)
