@@ -18,8 +18,9 @@ VOCAB, K = SMALL_VOCAB, 4  # joint over the first 4 tokens: 625 cells; tokens 2-
 
 
 @torch.inference_mode()
-def _exact_joint(target, prompt, sampler) -> dict[tuple, float]:
-    """P(first K tokens) under target-only sampling, by enumerating every prefix."""
+def _exact_joint(target, prompt, sampler, no_repeat: bool = False) -> dict[tuple, float]:
+    """P(first K tokens) under target-only sampling, by enumerating every prefix (`no_repeat`: under the
+    NoRepeat grammar)."""
     probs = {(): 1.0}
     for _ in range(K):
         nxt = {}
@@ -31,6 +32,9 @@ def _exact_joint(target, prompt, sampler) -> dict[tuple, float]:
                 if prefix:
                     history.add(list(prefix))
                 logits = sampler.adjust(logits, history)
+            if no_repeat:
+                logits = logits.clone()
+                logits[0, (prompt + list(prefix))[-1]] = float("-inf")
             p = sampler.probs(logits)[0]
             for t in range(VOCAB):
                 if p[t] > 0:
@@ -101,6 +105,44 @@ def test_sampling_with_a_draft_vocabulary_matches_target_distribution(small_voca
     finally:
         drafter.set_draft_vocab(None)
     assert 0.05 < rate < 0.95
+    assert _chi2_pvalue(counts, exact, n) > 1e-3
+
+
+class NoRepeat:
+    """A grammar for the loop's constraint hooks (structured.Constraint's interface): a token may not
+    follow itself. Drafts are proposed unmasked, so refused drafts reach the verify pass."""
+
+    def __init__(self, last: int) -> None:
+        self.last, self.stops = last, set()
+
+    def mask(self, drafts: list[int], rows: int) -> torch.Tensor:
+        out, prev = torch.ones(rows, VOCAB, dtype=torch.bool), self.last
+        for i in range(rows):  # row i follows drafts[:i]
+            out[i, prev] = False
+            prev = drafts[i] if i < len(drafts) else prev
+        return out
+
+    def draft(self, draft_logits, sampler):
+        return sampler.draft(draft_logits)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.last = tokens[-1]
+
+
+def test_sampling_under_a_grammar_matches_target_distribution(small_vocab):
+    """Sampling under a grammar through DFlash: distributed exactly as target-only sampling under it."""
+    target, drafter = small_vocab
+    prompt, n = [1, 3, 0, 2], 4000
+    exact = _exact_joint(target, prompt, Sampler(1.0), no_repeat=True)
+    counts, accepted = {}, 0
+    for i in range(n):
+        stats = Stats()
+        ids = tuple(generate_tokens(target, prompt, max_new_tokens=K, drafter=drafter, block_size=4,
+                                    sampler=Sampler(1.0, seed=i), stats=stats, constraint=NoRepeat(prompt[-1])))
+        counts[ids] = counts.get(ids, 0) + 1
+        accepted += stats.accepted_tokens
+    assert all(a != b for ids in counts for a, b in zip((prompt[-1],) + ids, ids))  # the grammar held
+    assert accepted > 0
     assert _chi2_pvalue(counts, exact, n) > 1e-3
 
 
