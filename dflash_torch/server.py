@@ -39,7 +39,7 @@ from .reasoning import ReasoningSplitter, has_think_tags, starts_inside
 from .sampling import Sampler, TokenLogprobs
 from .speculative import Stats, generate_tokens
 from .structured import Constraint
-from .tool_calls import ToolCallStream
+from .tool_calls import ToolCallStream, forced_call_grammar
 
 log = logging.getLogger("dflash.server")
 
@@ -353,12 +353,16 @@ def parse_history_calls(calls, where: str) -> list[dict]:
 
 
 def parse_tools(body: dict) -> list[dict] | None:
-    """`tools` (functions only) and `tool_choice` ("auto" or "none"): the tools to show the model, or None."""
+    """`tools` (functions only) and `tool_choice`: the tools to show the model, or None ("none")."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise bad("'tool_choice' must be 'auto' or 'none' here (a forced or named tool call is not supported)",
-                  "tool_choice")
+    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
+        (choice.get("function") or {}).get("name"), str)
+    if choice not in (None, "auto", "none", "required") and not named:
+        raise bad("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'function': "
+                  "{'name': ...}}", "tool_choice")
+    if (choice == "required" or named) and tools is None:
+        raise bad("'tool_choice' forces a call: give 'tools'", "tool_choice")
     if body.get("parallel_tool_calls") is False:
         raise bad("'parallel_tool_calls': false is not supported (the model may call several tools)",
                   "parallel_tool_calls")
@@ -373,7 +377,17 @@ def parse_tools(body: dict) -> list[dict] | None:
                       "'parameters'}}}}", f"tools[{i}]")
         if not isinstance(f.get("parameters", {}), dict):
             raise bad(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}]")
+    if named and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
+        raise bad(f"'tool_choice' names {choice['function']['name']!r}, which is not in 'tools'", "tool_choice")
     return tools
+
+
+def forced_tool(body: dict) -> tuple[bool, str | None]:
+    """(a call is forced, the tool it must be: None for any) from `tool_choice` (checked by parse_tools)."""
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        return True, choice["function"]["name"]
+    return choice == "required", None
 
 
 def parse_prompt(value) -> str | list[int]:
@@ -1233,6 +1247,15 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         req.logprobs = parse_logprobs(body, "chat")
         messages = parse_messages(body.get("messages"))
         tools = parse_tools(body)
+        forced, name = forced_tool(body)
+        if forced:  # the reply is made a call by a grammar in the template's call format
+            if req.grammar is not None:
+                raise bad("a forced tool call and a response format cannot both hold", "tool_choice")
+            tokenizer = engine.ready().tokenizer
+            lark = forced_call_grammar(getattr(tokenizer, "chat_template", None) or "", tools, name)
+            if lark is None:
+                raise bad("this model's tool-call format cannot be forced: use 'tool_choice': 'auto'", "tool_choice")
+            req.grammar = ("tool_choice", "lark", lark)
         # vLLM's field: variables for the chat template, over the server's --chat-template-args
         template_args = config.chat_template_args | _field(body, "chat_template_kwargs", "object", {})
         ids = await asyncio.to_thread(engine.encode, messages=messages, template_args=template_args, tools=tools)

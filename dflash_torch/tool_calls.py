@@ -137,3 +137,26 @@ def _json_objects(text: str) -> list[str]:
 def _call(name: str, args: dict) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def forced_call_grammar(template: str, tools: list[dict], name: str | None = None) -> str | None:
+    """A Lark grammar (llguidance's dialect, JSON schemas embedded with %json) that makes the reply one
+    call of a declared tool (`name`: that one), in the call format the chat template teaches: a
+    `<tool_call>` JSON block, or bare JSON with "parameters" (Llama 3.x). None for a template whose format
+    it cannot force (Qwen3-Coder's XML)."""
+    if "<function=" in template:
+        return None
+    key = "arguments" if OPEN in template else "parameters"
+    if key == "parameters" and "parameters" not in template:  # no call format this can tell
+        return None
+    schemas = [{"type": "object", "additionalProperties": False, "required": ["name", key],
+                "properties": {"name": {"const": t["function"]["name"]},
+                               key: t["function"].get("parameters") or {"type": "object"}}}
+               for t in tools if name is None or t["function"]["name"] == name]
+    call = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    # one line of JSON spaced as the templates show calls: free whitespace lets a model pad forever
+    call = json.dumps(call | {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
+                                             "key_separator": ": "}})
+    if key == "arguments":
+        return f'start: "{OPEN}" NL call NL "{CLOSE}"\ncall: %json {call}\nNL: /\\n?/\n'
+    return f"start: call\ncall: %json {call}\n"

@@ -1230,3 +1230,48 @@ def test_tokenize_and_detokenize(server, pipe):
                               ("/detokenize", {"tokens": "ab"}, "tokens")):
         resp = httpx.post(server + path, json=body)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (path, body)
+
+
+def test_forced_tool_calls(server, pipe):
+    """tool_choice "required" or a named function: a grammar in the template's call format makes the
+    reply a call (even from this random model), with arguments that follow the tool's schema."""
+    c = client(server)
+    unit = {"type": "function", "function": {"name": "set_unit", "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["C", "F"]}}, "required": ["unit"],
+        "additionalProperties": False}}}
+    light = {"type": "function", "function": {"name": "lights", "parameters": {
+        "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
+        "additionalProperties": False}}}
+    user = [{"role": "user", "content": "Use a tool."}]
+    for choice, names in (("required", {"set_unit", "lights"}), ({"type": "function", "function": {"name": "lights"}},
+                                                                   {"lights"})):
+        r = c.chat.completions.create(model="t", messages=user, tools=[unit, light], tool_choice=choice, max_tokens=100)
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name in names
+        args = json.loads(call.function.arguments)
+        if call.function.name == "set_unit":
+            assert args in ({"unit": "C"}, {"unit": "F"})
+        else:
+            assert set(args) == {"on"} and isinstance(args["on"], bool)
+        chunks = list(c.chat.completions.create(model="t", messages=user, tools=[unit, light], tool_choice=choice,
+                                                max_tokens=100, stream=True))
+        streamed = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+        assert [tc.function.name for tc in streamed] == [call.function.name]
+    for body, param in (({"tool_choice": "required"}, "tool_choice"),  # no tools
+                        ({"tools": [unit], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                         "tool_choice"),
+                        ({"tools": [unit], "tool_choice": "required", "response_format": {"type": "json_object"}},
+                         "tool_choice"),
+                        ({"tools": [unit], "tool_choice": "sometimes"}, "tool_choice")):
+        resp = httpx.post(server + "/v1/chat/completions", json={"messages": user, "max_tokens": 5} | body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, body
+
+
+def test_forced_call_grammar_formats():
+    from dflash_torch.tool_calls import forced_call_grammar
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert forced_call_grammar("... <tool_call> ...", tools).startswith('start: "<tool_call>"')
+    assert '"parameters"' in forced_call_grammar('Respond as {"name": ..., "parameters": ...}', tools)
+    assert forced_call_grammar("<tool_call><function=NAME>", tools) is None  # XML calls: not forced
+    assert forced_call_grammar("no tools here", tools) is None
