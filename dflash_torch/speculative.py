@@ -276,9 +276,11 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
                 draft_probs[torch.arange(bs - 1), block[0, 1:]] = 1.0
         elif bs > 1:
             ctx = pending[0] if len(pending) == 1 else torch.cat(pending, dim=1)  # [1, Tc, n_taps * H]
-            draft_logits = drafter.propose(target, block, ctx, draft_cache)  # [1, bs - 1, V]
-            block[0, 1:], draft_probs = (sampler.draft(draft_logits[0]) if constraint is None
-                                         else constraint.draft(draft_logits[0], sampler))
+            draft_logits = drafter.propose(target, block, ctx, draft_cache)[0]  # [bs - 1, V]
+            if history is not None:  # propose under the target's penalties and bias (the drafts' own repeats aside)
+                draft_logits = sampler.adjust(draft_logits, history)
+            block[0, 1:], draft_probs = (sampler.draft(draft_logits) if constraint is None
+                                         else constraint.draft(draft_logits, sampler))
             pending = []  # the drafter's cache holds it now
         out = target(block, cache, logits="all", taps=taps)  # verify: logits at every block position
         accepted, bonus = sampler.verify(block[0, 1:], chosen_from(out.logits[0], block[0, 1:]), draft_probs)

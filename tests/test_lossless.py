@@ -280,3 +280,34 @@ def test_penalties_bit_exact_with_quantized_weights(tiny_models):
             d = OracleDrafter(truth, len(prompt), target.config.vocab_size, p, 16)
             assert list(generate_tokens(target, prompt, max_new_tokens=40, drafter=d, lookup=True,
                                         sampler=Sampler(**PENALTIES))) == want
+
+
+class FondDrafter(OracleDrafter):
+    """The oracle's logits (10 on the true token) plus 20 on one favourite token everywhere: its argmax is
+    always the favourite, the truth comes second."""
+
+    def __init__(self, *args, favourite: int, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.favourite = favourite
+
+    def propose(self, target, block, ctx, cache):
+        logits = super().propose(target, block, ctx, cache)
+        logits[..., self.favourite] += 20.0
+        return logits
+
+
+def test_drafts_are_proposed_under_the_bias(models_and_drafters):
+    """A drafter fond of a token the logit bias bans: proposing under the same bias removes it, so the
+    truth behind it is proposed and kept (all but the last block whole); output = target-only's."""
+    kind, target, _ = models_and_drafters[0]
+    vocab, prompt = target.config.vocab_size, [3, 1, 4, 1, 5]
+    free = list(generate_tokens(target, prompt, max_new_tokens=30))
+    banned = free[0]
+    sampler = dict(logit_bias={banned: -100.0})
+    want = list(generate_tokens(target, prompt, max_new_tokens=30, sampler=Sampler(**sampler)))
+    assert banned not in want
+    truth = list(generate_tokens(target, prompt, max_new_tokens=50, sampler=Sampler(**sampler)))
+    stats = Stats()
+    got = list(generate_tokens(target, prompt, max_new_tokens=30, sampler=Sampler(**sampler), stats=stats,
+                               drafter=FondDrafter(truth, len(prompt), vocab, 0.0, 8, favourite=banned)))
+    assert got == want and all(n == 8 for n in stats.acceptance_lengths[:-1]), stats.acceptance_lengths
