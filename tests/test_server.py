@@ -1002,7 +1002,7 @@ def test_tool_calls(pipe, monkeypatch):
         def post(**body):
             return httpx.post(base + "/v1/chat/completions", json={"messages": user, "max_tokens": 5} | body)
 
-        for body, param in [({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+        for body, param in [({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
                             ({"tools": [WEATHER], "parallel_tool_calls": False}, "parallel_tool_calls"),
                             ({"tools": [{"type": "function"}]}, "tools[0]"),
                             ({"tools": "get_weather"}, "tools"),
