@@ -775,6 +775,8 @@ class Engine:
                  "on" if c.fallback and p.drafter else "off", adaptive, fastpath)
         log.info("dflash serve: device %s, dtype %s, weights %s, queue %d, prefix cache %s", p.device,
                  str(p.dtype).removeprefix("torch."), _weights(p), c.max_queue, prefix)
+        log.info("dflash serve: reasoning parser %s", "<think> ... </think> -> reasoning_content" if self.reasoning
+                 else f"off ({'no <think> tokens in the tokenizer' if c.reasoning_parser == 'auto' else 'none'})")
         log.info("dflash serve: ready on http://%s:%d (OpenAI API under /v1; /health, /metrics)", c.host, c.port)
 
     def _run(self, job: Job) -> None:
