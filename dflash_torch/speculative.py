@@ -259,6 +259,8 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
         # at the controller's width (1 = a plain target step, where a lookup match is used instead).
         match = finder.match(remaining - 1) if finder is not None else []
         found = match[: finder.draft_length(len(match))] if match else []
+        if found and constraint is not None:  # cut where the grammar would refuse it anyway
+            found = found[: constraint.allowed_prefix(found)]
         use_lookup = bool(found) and (not speculative or finder.expected_tokens(len(found) + 1) - 1 >= dflash_mean)
         bs = len(found) + 1 if use_lookup else 1
         if speculative and not use_lookup:

@@ -122,6 +122,11 @@ class Constraint:
             self.matcher.rollback(taken)
         return torch.tensor(tokens, device=draft_logits.device), None if qs[0] is None else torch.cat(qs)
 
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` the grammar takes in a row from here (counting stops at a stop token)."""
+        end = next((i for i, t in enumerate(tokens) if t in self.stops), len(tokens))
+        return self.matcher.validate_tokens(tokens[:end]) if end else 0
+
     def commit(self, tokens: list[int]) -> None:
         tokens = [t for t in tokens if t not in self.stops]  # the last token, if any: the generation ends
         if tokens and not self.matcher.consume_tokens(tokens):

@@ -159,3 +159,11 @@ def test_a_draft_vocabulary_the_grammar_never_allows(pipe):
                 assert re.fullmatch("(ab|cd)+x", r.text)
     finally:
         pipe.drafter.set_draft_vocab(None)
+
+
+def test_allowed_prefix(pipe):
+    tok = pipe.tokenizer.convert_tokens_to_ids
+    c = pipe.constraint("regex", "(ab|cd)+x")
+    assert c.allowed_prefix([tok("a"), tok("b"), tok("c"), tok("q"), tok("d")]) == 3
+    assert c.allowed_prefix([tok("a"), pipe.stop_token_ids[0], tok("b")]) == 1 and c.allowed_prefix([]) == 0
+    assert torch.equal(c.mask([], 1)[0], pipe.constraint("regex", "(ab|cd)+x").mask([], 1)[0])  # state untouched
