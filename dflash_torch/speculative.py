@@ -45,6 +45,9 @@ class Stats:
     lookup_cycles: int = 0  # verify passes whose draft came from prompt lookup
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    forced_cycles: int = 0  # verify passes whose draft was what a grammar leaves no choice about
+    forced_drafted: int = 0
+    forced_accepted: int = 0
     cached_tokens: int = 0  # prompt tokens a prefix cache already held (not prefilled)
     widths: dict[int, int] = field(default_factory=dict)  # verify passes per width (1 = a plain step)
 
@@ -98,6 +101,9 @@ class Stats:
             "lookup_cycles": self.lookup_cycles,
             "lookup_drafted": self.lookup_drafted,
             "lookup_accepted": self.lookup_accepted,
+            "forced_cycles": self.forced_cycles,
+            "forced_drafted": self.forced_drafted,
+            "forced_accepted": self.forced_accepted,
             "verify_widths": {str(w): n for w, n in sorted(self.widths.items())},
         }
 
@@ -263,7 +269,14 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
             found = found[: constraint.allowed_prefix(found)]
         use_lookup = bool(found) and (not speculative or finder.expected_tokens(len(found) + 1) - 1 >= dflash_mean)
         bs = len(found) + 1 if use_lookup else 1
-        if speculative and not use_lookup:
+        # Tokens the grammar leaves no choice about (a JSON key, a closing tag) are a draft the target keeps
+        # (unless it spells the same text with other tokens) at no drafting cost: used when longer than what
+        # the lookup match, or else the drafter, is expected to keep.
+        forced = constraint.forced(min(lookup_width, remaining - 1)) if constraint is not None else []
+        use_forced = len(forced) > (len(found) if use_lookup else dflash_mean if speculative else 0)
+        if use_forced:
+            use_lookup, found, bs = False, forced, len(forced) + 1
+        if speculative and not use_lookup and not use_forced:
             want = block_size if controller is None else max(1, min(controller.block_size(stats), block_size))
             bs = min(want, remaining)  # a block of bs positions commits at most bs tokens
             if bs == 1 and found:
@@ -271,7 +284,7 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
         block = torch.full((1, bs), drafter.mask_token_id if speculative else 0, dtype=torch.long, device=device)
         block[0, 0] = token
         draft_probs = None
-        if use_lookup:
+        if use_lookup or use_forced:
             block[0, 1:] = torch.tensor(found, device=device)
             if not sampler.greedy:  # a fixed proposal is a one-hot q: rejection sampling stays exact
                 draft_probs = torch.zeros(bs - 1, target.config.vocab_size, device=device)
@@ -314,6 +327,10 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
             stats.lookup_cycles += 1
             stats.lookup_drafted += bs - 1
             stats.lookup_accepted += accepted
+        elif use_forced:
+            stats.forced_cycles += 1
+            stats.forced_drafted += bs - 1
+            stats.forced_accepted += accepted
         else:
             if match:  # what the unused match would have kept, as far as the new tokens tell
                 kept = _common_prefix(match, new)

@@ -122,6 +122,14 @@ class Constraint:
             self.matcher.rollback(taken)
         return torch.tensor(tokens, device=draft_logits.device), None if qs[0] is None else torch.cat(qs)
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` next tokens the grammar leaves no choice about (its canonical tokens of the only
+        text allowed next; a model may spell that text with other tokens)."""
+        if limit < 1:
+            return []
+        tokens = self.matcher.compute_ff_tokens()[:limit]
+        return tokens[: next((i for i, t in enumerate(tokens) if t in self.stops), len(tokens))]
+
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` the grammar takes in a row from here (counting stops at a stop token)."""
         end = next((i for i, t in enumerate(tokens) if t in self.stops), len(tokens))

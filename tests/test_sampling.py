@@ -18,9 +18,9 @@ VOCAB, K = SMALL_VOCAB, 4  # joint over the first 4 tokens: 625 cells; tokens 2-
 
 
 @torch.inference_mode()
-def _exact_joint(target, prompt, sampler, no_repeat: bool = False) -> dict[tuple, float]:
-    """P(first K tokens) under target-only sampling, by enumerating every prefix (`no_repeat`: under the
-    NoRepeat grammar)."""
+def _exact_joint(target, prompt, sampler, grammar=None) -> dict[tuple, float]:
+    """P(first K tokens) under target-only sampling, by enumerating every prefix (`grammar`: a NoRepeat
+    class, whose rule masks each step)."""
     probs = {(): 1.0}
     for _ in range(K):
         nxt = {}
@@ -32,9 +32,8 @@ def _exact_joint(target, prompt, sampler, no_repeat: bool = False) -> dict[tuple
                 if prefix:
                     history.add(list(prefix))
                 logits = sampler.adjust(logits, history)
-            if no_repeat:
-                logits = logits.clone()
-                logits[0, (prompt + list(prefix))[-1]] = float("-inf")
+            if grammar is not None:
+                logits = logits.masked_fill(~grammar((prompt + list(prefix))[-1]).mask([], 1), float("-inf"))
             p = sampler.probs(logits)[0]
             for t in range(VOCAB):
                 if p[t] > 0:
@@ -125,24 +124,62 @@ class NoRepeat:
     def draft(self, draft_logits, sampler):
         return sampler.draft(draft_logits)
 
+    def forced(self, limit: int) -> list[int]:
+        return []  # this grammar never leaves a single choice
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        prev, n = self.last, 0
+        for t in tokens:
+            if t == prev:
+                break
+            prev, n = t, n + 1
+        return n
+
     def commit(self, tokens: list[int]) -> None:
         self.last = tokens[-1]
 
 
-def test_sampling_under_a_grammar_matches_target_distribution(small_vocab):
-    """Sampling under a grammar through DFlash: distributed exactly as target-only sampling under it."""
+class ZeroThenOne(NoRepeat):
+    """NoRepeat, and after a 0 only a 1: a forced token, which the loop drafts for free."""
+
+    def mask(self, drafts: list[int], rows: int) -> torch.Tensor:
+        out, prev = super().mask(drafts, rows), self.last
+        for i in range(rows):
+            if prev == 0:
+                out[i] = False
+                out[i, 1] = True
+            prev = drafts[i] if i < len(drafts) else prev
+        return out
+
+    def forced(self, limit: int) -> list[int]:
+        return [1][:limit] if self.last == 0 else []
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        n = super().allowed_prefix(tokens)
+        prev = self.last
+        for i, t in enumerate(tokens[:n]):
+            if prev == 0 and t != 1:
+                return i
+            prev = t
+        return n
+
+
+@pytest.mark.parametrize("grammar", [NoRepeat, ZeroThenOne], ids=lambda g: g.__name__)
+def test_sampling_under_a_grammar_matches_target_distribution(small_vocab, grammar):
+    """Sampling under a grammar through DFlash (drafter, lookup and, for ZeroThenOne, forced drafts):
+    distributed exactly as target-only sampling under it."""
     target, drafter = small_vocab
     prompt, n = [1, 3, 0, 2], 4000
-    exact = _exact_joint(target, prompt, Sampler(1.0), no_repeat=True)
-    counts, accepted = {}, 0
+    exact = _exact_joint(target, prompt, Sampler(1.0), grammar=grammar)
+    counts, accepted, forced = {}, 0, 0
     for i in range(n):
         stats = Stats()
-        ids = tuple(generate_tokens(target, prompt, max_new_tokens=K, drafter=drafter, block_size=4,
-                                    sampler=Sampler(1.0, seed=i), stats=stats, constraint=NoRepeat(prompt[-1])))
+        ids = tuple(generate_tokens(target, prompt, max_new_tokens=K, drafter=drafter, block_size=4, lookup=True,
+                                    sampler=Sampler(1.0, seed=i), stats=stats, constraint=grammar(prompt[-1])))
         counts[ids] = counts.get(ids, 0) + 1
-        accepted += stats.accepted_tokens
+        accepted, forced = accepted + stats.accepted_tokens, forced + stats.forced_cycles
     assert all(a != b for ids in counts for a, b in zip((prompt[-1],) + ids, ids))  # the grammar held
-    assert accepted > 0
+    assert accepted > 0 and (forced > 0) == (grammar is ZeroThenOne)
     assert _chi2_pvalue(counts, exact, n) > 1e-3
 
 

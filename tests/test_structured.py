@@ -63,8 +63,8 @@ def test_speculative_equals_target_only_under_a_grammar(pipe, kind, spec):
                                        lookup=lookup, stop_token_ids=pipe.stop_token_ids, stats=stats,
                                        constraint=pipe.constraint(kind, spec)))
             assert got == want.token_ids, (kind, prompt, drafter)
-            if drafter is oracle:  # every block kept whole but the last, which runs past the output
-                assert all(n == bs for n in stats.acceptance_lengths[:-1]), stats.acceptance_lengths
+            if drafter is oracle:  # every draft kept whole but the last block, which runs past the output
+                assert stats.drafted_tokens - stats.accepted_tokens <= bs - 1, stats.acceptance_lengths
 
 
 def test_sampled_output_follows_the_grammar(pipe):
