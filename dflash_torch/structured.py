@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-_TOKENIZERS: dict[tuple[int, int, tuple[int, ...]], object] = {}  # building one takes about a second
+# the grammar library's tokenizer per tokenizer object (building one takes a while); weak keys, so a
+# tokenizer that is gone cannot hand its entry to a new one at the same address
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def grammar(kind: str, spec) -> str:
@@ -30,7 +33,8 @@ def grammar(kind: str, spec) -> str:
     text = _grammar(kind, spec)
     failed, messages = LLMatcher.validate_grammar_with_warnings(text)
     if failed:
-        raise ValueError(f"the {kind.replace('_', ' ')} does not compile: {messages[0]}")
+        what = {"json_schema": "JSON schema", "lark": "Lark grammar", "choice": "list of choices"}.get(kind, kind)
+        raise ValueError(f"the {what} does not compile: {messages[0]}")
     return text
 
 
@@ -66,13 +70,19 @@ class Constraint:
                  token_bytes: Callable[[int], bytes] | None = None) -> None:
         from llguidance import LLMatcher
 
-        key = (id(tokenizer), vocab_size, tuple(stop_token_ids))
-        if key not in _TOKENIZERS:
-            _TOKENIZERS[key] = _lltokenizer(tokenizer, vocab_size, list(stop_token_ids), token_bytes)
-        self.matcher = LLMatcher(_TOKENIZERS[key], grammar_text)
+        built = _TOKENIZERS.setdefault(tokenizer, {})
+        key = (vocab_size, tuple(stop_token_ids))
+        if key not in built:
+            built[key] = _lltokenizer(tokenizer, vocab_size, list(stop_token_ids), token_bytes)
+        self.matcher = LLMatcher(built[key], grammar_text)
         if self.matcher.is_error():
             raise ValueError(f"the grammar is not valid: {self.matcher.get_error()}")
         self.vocab_size, self.stops = vocab_size, set(stop_token_ids)
+
+    def _before_stop(self, tokens: list[int]) -> list[int]:
+        """`tokens` up to the first stop token: a stop ends the generation, so the matcher never takes one
+        in (it does not roll one back cleanly)."""
+        return tokens[: next((i for i, t in enumerate(tokens) if t in self.stops), len(tokens))]
 
     def _row(self) -> torch.Tensor:
         """Allowed tokens [V] (bool) now: the matcher's bitmask (bit t of the little-endian words = token t)."""
@@ -82,9 +92,7 @@ class Constraint:
     def mask(self, drafts: list[int], rows: int) -> torch.Tensor:
         """Allowed tokens [rows, V] (bool): row i after drafts[:i]. Rows past the first draft the grammar
         refuses, or past a stop token, cannot decide anything and allow everything."""
-        drafts = drafts[: rows - 1]
-        # a stop token ends the generation: not taken in (the matcher does not roll one back cleanly)
-        drafts = drafts[: next((i for i, t in enumerate(drafts) if t in self.stops), len(drafts))]
+        drafts = self._before_stop(drafts[: rows - 1])
         ok = self.matcher.validate_tokens(drafts) if drafts else 0
         out = torch.ones(rows, self.vocab_size, dtype=torch.bool)
         for i in range(ok + 1):
@@ -127,13 +135,12 @@ class Constraint:
         text allowed next; a model may spell that text with other tokens)."""
         if limit < 1:
             return []
-        tokens = self.matcher.compute_ff_tokens()[:limit]
-        return tokens[: next((i for i, t in enumerate(tokens) if t in self.stops), len(tokens))]
+        return self._before_stop(self.matcher.compute_ff_tokens()[:limit])
 
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` the grammar takes in a row from here (counting stops at a stop token)."""
-        end = next((i for i, t in enumerate(tokens) if t in self.stops), len(tokens))
-        return self.matcher.validate_tokens(tokens[:end]) if end else 0
+        tokens = self._before_stop(tokens)
+        return self.matcher.validate_tokens(tokens) if tokens else 0
 
     def commit(self, tokens: list[int]) -> None:
         tokens = [t for t in tokens if t not in self.stops]  # the last token, if any: the generation ends
