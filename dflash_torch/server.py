@@ -1,4 +1,5 @@
-"""`dflash serve`: an OpenAI-compatible HTTP server (chat, completions, models, health, metrics).
+"""`dflash serve`: an OpenAI-compatible HTTP server (chat, completions, responses, models, health, metrics),
+with Anthropic's Messages API beside it (`messages_api.py`).
 
 One worker thread owns the model and runs one generation at a time; requests wait in a bounded FIFO
 queue (429 when it is full). The worker detokenizes, cuts stop strings and hands text deltas to the
@@ -29,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from . import structured
+from . import messages_api, structured
 from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
 from .fallback import FallbackController
 from .generate import Detokenizer, Pipeline, check_lengths, load, prompt_logprobs
@@ -47,6 +48,7 @@ MAX_BODY_BYTES = 1 << 20
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # the hold-back check costs up to len(stop)^2 per token
 ROLES = ("system", "user", "assistant", "tool")
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
+             "/v1/messages": "messages", "/v1/messages/count_tokens": "messages",
              "/v1/models": "models", "/tokenize": "tokenize", "/detokenize": "detokenize",
              "/health": "health", "/metrics": "metrics", "/metrics.json": "metrics"}
 # Accepted by OpenAI but not implemented here: refuse rather than silently answer something else.
@@ -54,6 +56,8 @@ UNSUPPORTED = ("suffix", "functions")
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16  # n: choices per request, generated one after the other
+ANTHROPIC_ERRORS = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
 
 
 @dataclass
@@ -526,6 +530,7 @@ class TextStream:
         self.detok = Detokenizer(pipe)
         self.sent = 0  # characters handed out so far
         self.stopped = False  # a stop string was found
+        self.stop: str | None = None  # which one (the earliest in the text)
 
     def add(self, token: int) -> str:
         self.detok.add(token)
@@ -539,9 +544,11 @@ class TextStream:
         if self.stopped:
             return ""
         # No stop can start before `sent`: such a start would have been held back (see below).
-        hits = [i for s in self.stops if (i := text.find(s, self.sent)) >= 0]
-        end = min(hits) if hits else len(text)
+        hits = [(i, s) for s in self.stops if (i := text.find(s, self.sent)) >= 0]
+        end = min(hits)[0] if hits else len(text)
         self.stopped = bool(hits)
+        if hits:
+            self.stop = min(hits, key=lambda h: (h[0], -len(h[1])))[1]  # at one place, the longest one
         if not hits and not final:
             end -= max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
             end = max(end, self.sent)
@@ -568,6 +575,7 @@ class Job:
     grammar: str | None = None  # GenRequest.grammar
     echo: str | None = None  # completions' echo: this text (the prompt) comes before the completion
     tool_calls: list[dict] = field(default_factory=list)
+    stop: str | None = None  # the stop string that ended the text
     id: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -860,7 +868,7 @@ class Engine:
                     send(delta)
                 m.sync_live(job)
                 if text.stopped or token in stops:
-                    finish = "stop"
+                    finish, job.stop = "stop", text.stop
                     break
                 if job.cancel.is_set():
                     finish, status = "cancelled", 499
@@ -906,7 +914,7 @@ class Engine:
             job.emit("done" if status == 200 else "cancelled", {
                 "finish_reason": finish, "prompt_tokens": len(job.prompt_ids),
                 "completion_tokens": job.completion_tokens, "cached_tokens": job.stats.cached_tokens,
-                "tool_calls": job.tool_calls})
+                "tool_calls": job.tool_calls, "stop": job.stop})
         accept = ""
         if job.stats.mode != "target-only":
             accept = f", acceptance {row['acceptance_rate']:.0%} (mean length {row['acceptance_length_mean']:.2f})"
@@ -1149,6 +1157,11 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         if not e.counted:  # label by endpoint, never by raw path: clients must not create label values
             endpoint = ENDPOINTS.get(request.url.path, "other")
             engine.metrics.requests.labels(endpoint=endpoint, status=str(e.status)).inc()
+        if request.url.path.startswith("/v1/messages"):
+            param, message = messages_api.rename_param(e.param, e.message)
+            kind = ANTHROPIC_ERRORS.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
+            return JSONResponse(messages_api.error_body(kind, message) | {"param": param}, status_code=e.status,
+                                headers=e.headers)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
@@ -1168,8 +1181,10 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         if config.api_key is None:
             return
         sent = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(sent, f"Bearer {config.api_key}".encode()):  # constant time
-            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+        other = request.headers.get("x-api-key", "").encode()  # how Anthropic's clients send it
+        if not (hmac.compare_digest(sent, f"Bearer {config.api_key}".encode())  # constant time
+                or hmac.compare_digest(other, config.api_key.encode())):
+            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def request_body(request: Request) -> dict:
@@ -1339,6 +1354,35 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         finally:
             job.cancel.set()
 
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        """Anthropic's Messages API through chat completions (`messages_api`)."""
+        body = await request_body(request)
+        try:
+            chat = messages_api.to_chat(body)
+        except messages_api.MessagesError as e:
+            raise bad(str(e), e.param) from None
+        if body.get("max_tokens") is not None and not (isinstance(body["max_tokens"], int) and body["max_tokens"] >= 1):
+            raise bad("'max_tokens' must be an integer >= 1", "max_tokens")
+        single = (body.get("tool_choice") or {}).get("disable_parallel_tool_use") is True
+        if chat["stream"]:
+            return await chat_answer(request, chat, streamer=lambda job, req: messages_api.events(job, engine.name,
+                                                                                                 single))
+        return messages_api.to_message(await chat_answer(request, chat), engine.name, single)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        """Anthropic's token count: the prompt tokens a /v1/messages request would run."""
+        body = await request_body(request)
+        try:
+            chat = messages_api.to_chat(body)
+        except messages_api.MessagesError as e:
+            raise bad(str(e), e.param) from None
+        args = config.chat_template_args | chat.get("chat_template_kwargs", {})
+        ids = await asyncio.to_thread(engine.encode, messages=parse_messages(chat["messages"]), template_args=args,
+                                      tools=parse_tools(chat))
+        return {"input_tokens": len(ids)}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request_body(request)
@@ -1476,7 +1520,9 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                         delta = {"tool_calls": [{"index": i} | c for i, c in enumerate(payload["tool_calls"])]}
                         yield _sse(chunk(job, created, None, None, id=rid) | extra | {"choices": [
                             {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]})
-                    yield out(None, payload["finish_reason"])
+                    last = chunk(job, created, None, payload["finish_reason"], index=index, id=rid) | extra
+                    last["choices"][0]["stop_reason"] = payload["stop"]  # vLLM's: the stop string, if one ended it
+                    yield _sse(last)
                     infos.append(payload)
                     break
             if req.include_usage:
@@ -1523,10 +1569,10 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                     if thoughts:
                         message["reasoning_content"] = "".join(thoughts)
                     choices.append({"index": index, "message": message, "logprobs": logprobs_field(job, entries),
-                                    "finish_reason": reason})
+                                    "finish_reason": reason, "stop_reason": payload["stop"]})
                 else:
                     choices.append({"index": index, "text": text, "logprobs": logprobs_field(job, entries),
-                                    "finish_reason": reason})
+                                    "finish_reason": reason, "stop_reason": payload["stop"]})
                 infos.append(payload)
         finally:
             watcher.cancel()

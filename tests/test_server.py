@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -218,6 +219,7 @@ def test_stop_strings_are_cut_streamed_or_not(server, pipe):
     with httpx.stream("POST", server + "/v1/chat/completions", json=body | {"stream": True}) as resp:
         text, chunks = sse_text(resp.iter_lines())
     assert text == want and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"][0]["stop_reason"] == r["choices"][0]["stop_reason"] == stop
     r = httpx.post(server + "/v1/completions", json={"prompt": "Once upon", "max_tokens": 40, "stop": "@"}).json()
     assert "@" not in r["choices"][0]["text"]
 
@@ -1080,6 +1082,114 @@ def test_responses_api(server, pipe, monkeypatch):
                         ({"input": [{"role": "user", "content": 3}]}, "input[0].content")]:
         r = post(**body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, body
+
+
+def test_messages_api(server, pipe, monkeypatch):
+    """Anthropic's /v1/messages through the official `anthropic` client: the same greedy text as chat
+    completions (streamed or not), stop sequences, usage, count_tokens, tool_use and tool_result
+    blocks, thinking blocks, x-api-key, and errors in Anthropic's shape."""
+    a = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0, timeout=60)
+    user = [{"role": "user", "content": "Write a haiku about rain"}]
+    chat = client(server).chat.completions.create(model="tiny", messages=MSGS, max_tokens=20)
+    m = a.messages.create(model="tiny", system="Be brief.", messages=user, max_tokens=20)
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == chat.choices[0].message.content
+    assert m.stop_reason == "max_tokens" and m.stop_sequence is None and m.id.startswith("msg_")
+    def prompt_tokens(u) -> int:  # Anthropic's input_tokens leave out what was read from the (prefix) cache
+        return u.input_tokens + u.cache_read_input_tokens
+
+    assert (prompt_tokens(m.usage), m.usage.output_tokens) == (len(pipe.encode_messages(MSGS)), 20)
+    assert m.usage.cache_read_input_tokens > 0  # the chat request just before had the same prompt
+    blocks = [{"type": "text", "text": "Be brief."}]  # system as blocks, content as blocks: the same prompt
+    m2 = a.messages.create(model="tiny", system=blocks, max_tokens=20,
+                           messages=[{"role": "user", "content": [{"type": "text", "text": user[0]["content"]}]}])
+    assert m2.content[0].text == m.content[0].text
+    assert a.messages.count_tokens(model="tiny", system="Be brief.", messages=user).input_tokens == \
+        prompt_tokens(m.usage)
+
+    with a.messages.stream(model="tiny", system="Be brief.", messages=user, max_tokens=20) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert streamed == final.content[0].text == m.content[0].text and final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == 20
+
+    # a stop sequence: the text ends before it, and the answer says which one
+    full = m.content[0].text
+    cut = full[len(full) // 2:len(full) // 2 + 2]
+    m = a.messages.create(model="tiny", system="Be brief.", messages=user, max_tokens=20,
+                          stop_sequences=["\x00never", cut])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == cut
+    assert m.content[0].text == full[:full.index(cut)]
+    r = client(server).chat.completions.create(model="tiny", messages=MSGS, max_tokens=20, stop=[cut])
+    assert r.choices[0].model_extra["stop_reason"] == cut  # vLLM's field on chat completions too
+    with a.messages.stream(model="tiny", system="Be brief.", messages=user, max_tokens=20,
+                           stop_sequences=[cut]) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == cut
+
+    # errors: Anthropic's shape, naming the field the client sent
+    for body, param in [({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+                        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+                         "messages[0].content[0]"),
+                        ({"stop_sequences": ["x"] * 99}, "stop_sequences"), ({"max_tokens": 0}, "max_tokens"),
+                        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
+                        ({"tool_choice": {"type": "tool"}}, "tool_choice"), ({"mcp_servers": []}, "mcp_servers"),
+                        ({"thinking": "on"}, "thinking"), ({"temperature": 3}, "temperature")]:
+        r = httpx.post(server + "/v1/messages", json={"model": "t", "messages": user, "max_tokens": 4} | body)
+        e = r.json()
+        assert r.status_code == 400 and e["type"] == "error" and e["param"] == param, body
+        assert e["error"]["type"] == "invalid_request_error" and param.split("[")[0] in e["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="images and documents"):
+        a.messages.create(model="t", max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}])
+
+    script = script_generation(pipe, monkeypatch)
+    weather = {"name": "get_weather", "description": "Weather in a city",
+               "input_schema": WEATHER["function"]["parameters"]}
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    script["text"] = 'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    m = a.messages.create(model="t", messages=ask, tools=[weather], max_tokens=200)
+    assert [b.type for b in m.content] == ["text", "tool_use"] and m.stop_reason == "tool_use"
+    call = m.content[1]
+    assert (call.name, call.input, m.content[0].text) == ("get_weather", {"city": "Paris"}, "Let me look.")
+    assert prompt_tokens(m.usage) == len(pipe.encode_messages(ask, tools=[WEATHER]))
+    with a.messages.stream(model="t", messages=ask, tools=[weather], max_tokens=200) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["text", "tool_use"] and final.content[1].input == {"city": "Paris"}
+    assert final.stop_reason == "tool_use" and final.content[1].id == final.content[1].id
+    # the call and its result go back in the history: rendered as chat completions would render them
+    script["text"] = "It is sunny."
+    history = ask + [{"role": "assistant", "content": [b.model_dump() for b in m.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                   "content": [{"type": "text", "text": "18 C, sunny"}]}]}]
+    m = a.messages.create(model="t", messages=history, tools=[weather], max_tokens=200)
+    assert m.content[0].text == "It is sunny." and m.stop_reason == "end_turn"
+    as_chat = ask + [{"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]
+    counted = a.messages.count_tokens(model="t", messages=history, tools=[weather]).input_tokens
+    assert counted == prompt_tokens(m.usage) == len(pipe.encode_messages(parse_messages(as_chat), tools=[WEATHER]))
+    # tool_choice any: a forced call of some tool; disable_parallel_tool_use keeps one tool_use block
+    script["text"] = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+                      '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    m = a.messages.create(model="t", messages=ask, tools=[weather], max_tokens=200)
+    assert [b.input["city"] for b in m.content] == ["Paris", "Rome"]
+    m = a.messages.create(model="t", messages=ask, tools=[weather], max_tokens=200,
+                          tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert [b.input["city"] for b in m.content] == ["Paris"]
+
+    # thinking blocks from a reasoning model, streamed or not
+    script["text"] = "<think>\nThe user wants weather.\n</think>\n\nIt is sunny."
+    with serve(pipe, reasoning_parser="think", api_key="sekret") as base:
+        a = anthropic.Anthropic(base_url=base, api_key="sekret", max_retries=0, timeout=60)
+        m = a.messages.create(model="t", messages=ask, max_tokens=200)
+        assert [b.type for b in m.content] == ["thinking", "text"]
+        assert (m.content[0].thinking, m.content[1].text) == ("\nThe user wants weather.\n", "It is sunny.")
+        with a.messages.stream(model="t", messages=ask, max_tokens=200) as s:
+            final = s.get_final_message()
+        assert final.model_dump()["content"] == m.model_dump()["content"]
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(
+                model="t", messages=ask, max_tokens=5)
 
 
 def test_tool_call_stream_any_chunking():

@@ -1,0 +1,252 @@
+"""Anthropic's Messages API (`POST /v1/messages`) on top of the server's chat completions.
+
+A Messages request becomes the equivalent chat completions body (`to_chat`), runs through the same
+path (so the tokens are the same: greedy output equals target-only output), and the answer comes back
+as a `message` (`to_message`) or as the Messages API's server-sent events (`events`). Text, system
+prompts, tools (`tool_use` / `tool_result` blocks), `tool_choice`, stop sequences, thinking blocks
+from a model that reasons, and `/v1/messages/count_tokens`. Images and documents are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+# Fields the Messages API has that this server does not implement: refused, never silently ignored.
+UNSUPPORTED = ("container", "mcp_servers", "context_management")
+# Chat completions field -> the Messages API's name, for error messages that name what the client sent.
+RENAMED = {"stop": "stop_sequences"}
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+
+
+class MessagesError(ValueError):
+    """A bad Messages request: the message and the field it names."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _text(content, where: str, allowed: tuple[str, ...] = ("text",)) -> tuple[str, list[dict]]:
+    """A string or a list of content blocks -> (the text blocks joined, the other blocks of `allowed` types)."""
+    if isinstance(content, str):
+        return content, []
+    if not isinstance(content, list):
+        raise MessagesError(f"{where} must be a string or a list of content blocks", where)
+    texts, others = [], []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind not in allowed:
+            shown = json.dumps(kind)[:40] if kind is not None else "not a block"
+            raise MessagesError(f"{where}[{j}]: blocks of type {', '.join(allowed)} only here, got {shown}"
+                                + (" (images and documents are not supported)" if kind in ("image", "document")
+                                   else ""), f"{where}[{j}]")
+        if kind == "text":
+            if not isinstance(block.get("text"), str):
+                raise MessagesError(f"{where}[{j}].text must be a string", f"{where}[{j}]")
+            texts.append(block["text"])
+        else:
+            others.append(block)
+    return "\n".join(texts), others
+
+
+def to_chat(body: dict) -> dict:
+    """A `/v1/messages` request -> the equivalent chat completions request body."""
+    for name in UNSUPPORTED:
+        if body.get(name) is not None:
+            raise MessagesError(f"'{name}' is not supported by this server's /v1/messages", name)
+    messages: list[dict] = []
+    if body.get("system") is not None:
+        system, _ = _text(body["system"], "system")
+        messages.append({"role": "system", "content": system})
+    given = body.get("messages")
+    if not isinstance(given, list) or not given:
+        raise MessagesError("'messages' must be a non-empty array", "messages")
+    for i, m in enumerate(given):
+        where = f"messages[{i}]"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role == "user":
+            text, results = _text(m.get("content"), f"{where}.content", ("text", "tool_result"))
+            for r in results:  # tool results first: they answer the assistant turn just before
+                out, _ = _text(r.get("content", ""), f"{where}.content.tool_result.content")
+                if not isinstance(r.get("tool_use_id"), str):
+                    raise MessagesError(f"{where}: a tool_result needs its 'tool_use_id'", f"{where}.content")
+                messages.append({"role": "tool", "tool_call_id": r["tool_use_id"],
+                                 "content": ("Error: " + out) if r.get("is_error") else out})
+            if text or not results:
+                messages.append({"role": "user", "content": text})
+        elif role == "assistant":
+            # Earlier thinking is dropped, as the chat templates of reasoning models drop it from history.
+            text, blocks = _text(m.get("content"), f"{where}.content",
+                                 ("text", "tool_use", "thinking", "redacted_thinking"))
+            calls = []
+            for b in blocks:
+                if b["type"] != "tool_use":
+                    continue
+                if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+                    raise MessagesError(f"{where}: a tool_use block needs a 'name' and an object 'input'",
+                                        f"{where}.content")
+                calls.append({"id": b.get("id"), "type": "function",
+                              "function": {"name": b["name"], "arguments": b.get("input", {})}})
+            msg = {"role": "assistant", "content": text}
+            if calls:
+                msg["tool_calls"] = calls
+            messages.append(msg)
+        else:
+            raise MessagesError(f"{where}.role must be 'user' or 'assistant', got {json.dumps(role)[:40]}",
+                                f"{where}.role")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise MessagesError("'stream' must be a boolean", "stream")
+    chat = {"messages": messages, "stream": stream}
+    for src, dst in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                     ("top_k", "top_k"), ("stop_sequences", "stop"), ("model", "model")):
+        if body.get(src) is not None:
+            chat[dst] = body[src]
+    thinking = body.get("thinking")
+    if thinking is not None:  # templates that can switch reasoning off read enable_thinking (Qwen3)
+        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled"):
+            raise MessagesError("'thinking' must be {'type': 'enabled' | 'disabled', ...}", "thinking")
+        chat["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise MessagesError("'tools' must be an array", "tools")
+        chat["tools"] = []
+        for i, t in enumerate(tools):
+            ok = isinstance(t, dict) and t.get("type", "custom") == "custom" and isinstance(t.get("name"), str)
+            if not ok or not isinstance(t.get("input_schema", {}), dict):
+                raise MessagesError(f"tools[{i}] must be a client tool {{'name', 'description', 'input_schema'}} "
+                                    "(server tools are not supported)", f"tools[{i}]")
+            function = {"name": t["name"], "parameters": t.get("input_schema", {"type": "object"})}
+            if t.get("description") is not None:
+                function["description"] = t["description"]
+            chat["tools"].append({"type": "function", "function": function})
+    choice = body.get("tool_choice")
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind not in ("auto", "any", "tool", "none") or (kind == "tool" and not isinstance(choice.get("name"), str)):
+            raise MessagesError("'tool_choice' must be {'type': 'auto' | 'any' | 'none'} or "
+                                "{'type': 'tool', 'name': ...}", "tool_choice")
+        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or {
+            "type": "function", "function": {"name": choice["name"]}}
+    return chat
+
+
+def rename_param(param: str | None, message: str) -> tuple[str | None, str]:
+    """A chat completions error's field -> the Messages API's name for it (and the message with it)."""
+    if param in RENAMED:
+        return RENAMED[param], message.replace(f"'{param}'", f"'{RENAMED[param]}'")
+    return param, message
+
+
+def stop_reason(finish: str, stop: str | None) -> str:
+    """A chat finish_reason (and the stop string that ended the text, if one did) -> stop_reason."""
+    if finish == "stop":
+        return "stop_sequence" if stop is not None else "end_turn"
+    return STOP_REASONS.get(finish, "end_turn")
+
+
+def tool_use(call: dict) -> dict:
+    """An OpenAI tool call -> a tool_use content block."""
+    try:
+        args = json.loads(call["function"]["arguments"] or "{}")
+    except json.JSONDecodeError:  # the parser only returns calls whose arguments are JSON; be safe anyway
+        args = {}
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": args}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """The Messages API's usage: input tokens not read from the prefix cache, and those read from it."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": completion_tokens,
+            "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def to_message(out: dict, model: str, single_call: bool = False) -> dict:
+    """A chat.completion answer -> a `message` (`single_call`: at most one tool_use block)."""
+    choice, u = out["choices"][0], out["usage"]
+    msg = choice["message"]
+    content = []
+    if msg.get("reasoning_content"):
+        content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
+    if msg.get("content"):
+        content.append({"type": "text", "text": msg["content"]})
+    calls = (msg.get("tool_calls") or [])[:1 if single_call else None]
+    content += [tool_use(c) for c in calls]
+    return {"id": "msg_" + out["id"].split("-", 1)[-1], "type": "message", "role": "assistant", "model": model,
+            "content": content, "stop_reason": stop_reason(choice["finish_reason"], choice["stop_reason"]),
+            "stop_sequence": choice["stop_reason"],
+            "usage": usage(u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"])}
+
+
+def sse(kind: str, data: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind} | data, ensure_ascii=False)}\n\n"
+
+
+def error_body(kind: str, message: str) -> dict:
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+async def events(job, model: str, single_call: bool = False) -> AsyncIterator[str]:
+    """The Messages API's server-sent events for one generation (a server `Job`): message_start, a
+    thinking block and a text block as their deltas arrive, each tool call as a tool_use block, then
+    message_delta (stop reason, usage) and message_stop."""
+    mid = "msg_" + job.id.split("-", 1)[-1]
+    index, open_kind = -1, None  # the content block being streamed
+
+    def start(kind: str, block: dict) -> str:
+        nonlocal index, open_kind
+        index, open_kind = index + 1, kind
+        return sse("content_block_start", {"index": index, "content_block": block})
+
+    def close() -> str:
+        nonlocal open_kind
+        open_kind = None
+        return sse("content_block_stop", {"index": index})
+
+    try:
+        yield sse("message_start", {"message": {
+            "id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
+            "stop_sequence": None, "usage": usage(len(job.prompt_ids), 0)}})
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "reasoning":
+                if open_kind != "thinking":
+                    if open_kind:
+                        yield close()
+                    yield start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                yield sse("content_block_delta", {"index": index,
+                                                  "delta": {"type": "thinking_delta", "thinking": payload}})
+            elif kind == "delta":
+                if open_kind != "text":
+                    if open_kind == "thinking":
+                        yield sse("content_block_delta", {"index": index,
+                                                          "delta": {"type": "signature_delta", "signature": ""}})
+                    if open_kind:
+                        yield close()
+                    yield start("text", {"type": "text", "text": ""})
+                yield sse("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": payload}})
+            elif kind == "logprobs":
+                continue
+            elif kind == "error":
+                yield sse("error", error_body("api_error", payload.message))
+                return
+            elif kind == "cancelled":
+                return
+            else:
+                break
+        if open_kind:
+            yield close()
+        calls = payload.get("tool_calls") or []
+        for call in calls[:1 if single_call else None]:
+            block = tool_use(call)
+            yield start("tool_use", block | {"input": {}})
+            yield sse("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
+                                                                        "partial_json": json.dumps(block["input"])}})
+            yield close()
+        u = usage(payload["prompt_tokens"], payload["completion_tokens"], payload.get("cached_tokens", 0))
+        yield sse("message_delta", {"delta": {"stop_reason": stop_reason(payload["finish_reason"], payload.get("stop")),
+                                              "stop_sequence": payload.get("stop")}, "usage": u})
+        yield sse("message_stop", {})
+    finally:
+        job.cancel.set()
