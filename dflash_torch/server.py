@@ -70,6 +70,7 @@ class ServerConfig:
     port: int = 8000
     fastpath_max_tokens: int = 0  # requests with max_tokens <= this run target-only
     api_key: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)  # CORS: web pages that may call the API ("*": any)
     max_tokens: int = 256  # default when a request gives none (clipped to the context left)
     block_size: int | None = None
     max_queue: int = 64
@@ -1149,6 +1150,11 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
     # No generated docs: the handlers take raw requests (errors must be OpenAI-shaped), so they would be empty.
     app = FastAPI(title="dflash-torch", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
+    if config.allowed_origins:  # browsers ask first (a preflight OPTIONS); the middleware answers it
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -1599,6 +1605,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--fastpath-max-tokens", type=int, default=0, metavar="N",
                    help="requests with max_tokens <= N run target-only (default 0: off)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="web pages (origins such as http://localhost:3000, or '*' for any) whose scripts may call "
+                        "the API from a browser (CORS; default: none)")
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.add_argument("--max-queue", type=int, default=64, metavar="N", help="requests that may wait (then 429)")
     p.add_argument("--prefix-cache-max-entries", type=int, default=DEFAULT_MAX_ENTRIES, metavar="N",
@@ -1662,7 +1671,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefix_cache_max_bytes=args.prefix_cache_max_bytes,
         prefix_cache_l2_dir=args.prefix_cache_l2_dir, prefix_cache_l2_max_bytes=args.prefix_cache_l2_max_bytes,
         chat_template_args=args.chat_template_args, prefill_step_size=args.prefill_step_size,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, allowed_origins=args.allowed_origins,
     )
     failed: list[BaseException] = []
 

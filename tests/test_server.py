@@ -638,6 +638,24 @@ def test_api_key(pipe):
         assert httpx.get(base + "/health").status_code == 200
 
 
+def test_allowed_origins(pipe):
+    """--allowed-origins: a browser's preflight from a listed origin is answered (without the API key), its
+    requests carry the CORS header; another origin, or a server without the option, gets none."""
+    page, other = "http://localhost:3000", "http://evil.example"
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    with serve(pipe, api_key="k", allowed_origins=[page]) as base:
+        r = httpx.options(base + "/v1/chat/completions", headers={"Origin": page} | preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": OK_MSGS, "max_tokens": 2},
+                       headers={"Origin": page, "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        r = httpx.options(base + "/v1/chat/completions", headers={"Origin": other} | preflight)
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    with serve(pipe) as base:
+        r = httpx.get(base + "/v1/models", headers={"Origin": page})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
 def test_health_is_503_while_loading_then_200(pipe):
     gate = threading.Event()
 
