@@ -1360,16 +1360,18 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         finally:
             job.cancel.set()
 
+    async def messages_request(request: Request) -> tuple[dict, dict]:
+        """A Messages API request's body, and the chat completions body it stands for."""
+        body = await request_body(request)
+        try:
+            return body, messages_api.to_chat(body)
+        except messages_api.MessagesError as e:
+            raise bad(str(e), e.param) from None
+
     @app.post("/v1/messages")
     async def messages(request: Request):
         """Anthropic's Messages API through chat completions (`messages_api`)."""
-        body = await request_body(request)
-        try:
-            chat = messages_api.to_chat(body)
-        except messages_api.MessagesError as e:
-            raise bad(str(e), e.param) from None
-        if body.get("max_tokens") is not None and not (isinstance(body["max_tokens"], int) and body["max_tokens"] >= 1):
-            raise bad("'max_tokens' must be an integer >= 1", "max_tokens")
+        body, chat = await messages_request(request)
         single = (body.get("tool_choice") or {}).get("disable_parallel_tool_use") is True
         if chat["stream"]:
             return await chat_answer(request, chat, streamer=lambda job, req: messages_api.events(job, engine.name,
@@ -1379,11 +1381,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         """Anthropic's token count: the prompt tokens a /v1/messages request would run."""
-        body = await request_body(request)
-        try:
-            chat = messages_api.to_chat(body)
-        except messages_api.MessagesError as e:
-            raise bad(str(e), e.param) from None
+        _, chat = await messages_request(request)
         args = config.chat_template_args | chat.get("chat_template_kwargs", {})
         ids = await asyncio.to_thread(engine.encode, messages=parse_messages(chat["messages"]), template_args=args,
                                       tools=parse_tools(chat))
