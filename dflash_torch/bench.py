@@ -489,6 +489,7 @@ def machine_info(pipe) -> dict:
         "draft_vocab": (None if getattr(pipe.drafter, "draft_vocab", None) is None
                         else len(pipe.drafter.draft_vocab)),
         "cuda_graphs": getattr(pipe.target, "use_graphs", False),  # a cudagraph.GraphedTarget
+        "draft_window": getattr(pipe.drafter, "window", None),  # (sinks, size) the drafter attends to; None: all
         "platform": platform.platform(),
         "python": platform.python_version(),
         "memory": "torch.cuda.max_memory_allocated" if pipe.device.type == "cuda" else "peak RSS of the process",
@@ -546,7 +547,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     log = lambda msg: print(f"dflash bench: {msg}", file=sys.stderr)
 
     pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
-                cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab)
+                cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab,
+                draft_window=args.draft_window, draft_sinks=args.draft_sinks)
     encoded = {name: [(p, encode(pipe, p)) for p in ps] for name, ps in suites.items()}
     lookup_only = pipe.drafter is None and args.lookup is True  # --no-draft --lookup: prompt lookup alone
     engines = ["baseline"] + (["dflash"] if pipe.drafter is not None or lookup_only else [])

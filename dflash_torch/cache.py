@@ -4,6 +4,9 @@ Position is the index: the keys and values of the token at position p live in sl
 pass over T tokens writes slots [length, length + T) and advances `length`. Rolling back after a
 rejected draft is setting `length` again: the stale slots past it are overwritten by the next pass
 and never read, because attention only looks at slots below the current end.
+
+A windowed drafter's cache (`DFlashDrafter.set_window`) keeps only its first positions (the sinks) and the
+most recent ones: there, slots past the sinks hold position slot + `dropped`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class KVCache:
         self.v_layers = [self.v[i] for i in range(num_layers)]
         self.max_len = max_len
         self.length = 0
+        self.dropped = 0  # positions left out between the sinks and the rest (a windowed drafter's cache)
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, Hkv, T, D] at positions [start, start + T); return keys/values [0, start + T)."""
@@ -57,7 +61,9 @@ class KVCache:
         return keys, values
 
     def crop(self, length: int) -> None:
-        """Forget every position at or after `length` (rollback)."""
+        """Forget every slot at or after `length` (rollback; 0: start over)."""
         if not 0 <= length <= self.max_len:
             raise ValueError(f"cannot crop cache of capacity {self.max_len} to {length}")
         self.length = length
+        if length == 0:
+            self.dropped = 0

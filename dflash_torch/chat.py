@@ -41,7 +41,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     sampler = sampler_from_args(args)
     grammar = grammar_from_args(args)
     pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
-                cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab)
+                cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab,
+                draft_window=args.draft_window, draft_sinks=args.draft_sinks)
     pipe._need_tokenizer()  # chat is text: a model without a tokenizer cannot take part
     prefix = PrefixCache()
     exact_prefill(pipe.target)  # quantized weights: reused keys/values are exactly a cold prefill's

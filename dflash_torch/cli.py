@@ -21,6 +21,11 @@ def _common_model_args(p: argparse.ArgumentParser, draft: bool = True, decoding:
         p.add_argument("--draft-vocab", action=argparse.BooleanOptionalAction, default=True,
                        help="draft logits from the LM head rows of the drafter's draft vocabulary, where it has "
                             "one (draft_vocab.json); --no-draft-vocab: the whole head (default: on)")
+        p.add_argument("--draft-window", type=int, default=None, metavar="N",
+                       help="the drafter attends to the last N context positions (and the first --draft-sinks) "
+                            "instead of all of them: a fixed cost per cycle on long contexts (default: all)")
+        p.add_argument("--draft-sinks", type=int, default=64, metavar="N",
+                       help="with --draft-window: the first N positions stay in view (default 64)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--quantize", default=quantize, choices=["auto", "none", "int8", "int4"],
@@ -145,7 +150,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampler = sampler_from_args(args)
     grammar = grammar_from_args(args)
     pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
-                cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab)
+                cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab,
+                draft_window=args.draft_window, draft_sinks=args.draft_sinks)
     if args.prompt_ids is not None:
         prompt = _parse_ids(args.prompt_ids)
     else:

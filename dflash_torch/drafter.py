@@ -33,6 +33,7 @@ from .layers import MLP, Linear, RMSNorm, attend, attention_mask, linear
 from .rope import Rotary, apply_rotary, rope_parameters
 
 VOCAB_FILE = "draft_vocab.json"
+WINDOW_SLACK = 128  # a windowed cache is compacted when it holds this many positions past sinks + window
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -259,6 +260,7 @@ class DFlashDrafter(nn.Module):
         # the tokens it may propose (draft_vocab.json), ascending; None: the whole vocabulary
         self.register_buffer("draft_vocab", None, persistent=False)
         self._head = None  # (the target's LM head, its draft-vocabulary rows as a head of the same kind)
+        self.window: tuple[int, int] | None = None  # (sinks, size): the context positions attended (set_window)
         self.flat = True  # draft passes through FlatDraft where it applies (same bits; False: the modules)
         self.script = True  # FlatDraft compiled by TorchScript on a CPU (same bits; False: in Python)
         self._plan = None
@@ -282,9 +284,23 @@ class DFlashDrafter(nn.Module):
         self._plan = self._head = None  # .to() / .half() may replace tensors the flat plan holds
         return super()._apply(fn, recurse)
 
+    def set_window(self, size: int | None, sinks: int = 64) -> None:
+        """Attend to the first `sinks` context positions and the last `size` (at least; up to WINDOW_SLACK
+        more, as the cache is compacted in steps) instead of the whole context (None: all of it). Long
+        contexts then cost the drafter a fixed amount per cycle, and it sees context lengths like those it
+        was trained on. Only what is proposed changes; the output is the target's either way."""
+        if size is not None:
+            if size < 1 or sinks < 0:
+                raise ValueError(f"a draft window needs size >= 1 and sinks >= 0, got {size} and {sinks}")
+            if any(layer.self_attn.causal or layer.self_attn.window is not None for layer in self.layers):
+                raise ValueError("a draft window needs full-attention draft layers")
+        self.window = None if size is None else (int(sinks), int(size))
+
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         """Context keys/values of every draft layer, plus room for one block of scratch."""
         a = self.layers[0].self_attn
+        if self.window is not None:  # never more than the window holds (set_window, _slide)
+            max_len = min(max_len, sum(self.window) + WINDOW_SLACK)
         return KVCache(
             len(self.layers), a.n_kv, a.head_dim, max_len + self.block_size,
             batch=batch, dtype=self.dtype, device=self.norm.weight.device,
@@ -381,11 +397,14 @@ class DFlashDrafter(nn.Module):
 
     def propose(self, target: nn.Module, block: torch.Tensor, ctx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Draft logits [B, bs - 1, V] for block [B, bs] (token then masks) given new context
-        features ctx [B, Tc, F] at positions [cache.length, cache.length + Tc)."""
-        start = cache.length + ctx.shape[1]  # position of the block's first token
+        features ctx [B, Tc, F] at the positions after the cache's (cache.length + cache.dropped onwards)."""
         dev = block.device
+        base = cache.length + cache.dropped  # position of ctx's first row
+        start = base + ctx.shape[1]  # position of the block's first token
         q_pos = torch.arange(start, start + block.shape[1], device=dev)
-        ctx_pos = torch.arange(cache.length, start, device=dev)
+        ctx_pos = torch.arange(base, start, device=dev)
+        if self.window is not None:
+            ctx, ctx_pos = self._slide(ctx, ctx_pos, cache)
         emb = target.embed_tokens(block)
         if self.input_scale != 1.0:
             emb = emb * self.input_scale
@@ -393,13 +412,34 @@ class DFlashDrafter(nn.Module):
         if plan is None:
             hidden = self(emb.to(self.dtype), ctx.to(self.dtype), q_pos, ctx_pos, cache)
         else:  # the same kernels as the line above, without the modules around them (flat.py)
-            if start + block.shape[1] > cache.max_len:
-                raise ValueError(f"KV cache overflow: position {start + block.shape[1]} > capacity {cache.max_len}")
+            end = cache.length + ctx.shape[1] + block.shape[1]  # slots, as positions where nothing was dropped
+            if end > cache.max_len:
+                raise ValueError(f"KV cache overflow: position {end} > capacity {cache.max_len}")
             (q_cos, q_sin), (c_cos, c_sin) = self.rotary(q_pos, self.dtype), self.rotary(ctx_pos, self.dtype)
             hidden = plan(emb[0].to(self.dtype), ctx[0].to(self.dtype), q_cos[:, None], q_sin[:, None],
                           c_cos[:, None], c_sin[:, None], cache.length, cache.k, cache.v)[None]  # [1, T, H]
-            cache.length = start
+            cache.length += ctx.shape[1]
         return self.logits(hidden[:, 1:].to(target.embed_tokens.weight.dtype), target.lm_head)
+
+    def _slide(self, ctx: torch.Tensor, ctx_pos: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep the drafter's context to the sinks and the window: new rows that would fall out of it at once
+        are not taken in, and once the cache holds WINDOW_SLACK positions more than it needs, the recent
+        positions move down next to the sinks (their keys keep the rotation of their own positions)."""
+        sinks, size = self.window
+        tc = ctx.shape[1]
+        need = max(0, sinks - cache.length)  # new rows that become sinks
+        if tc > need + size:
+            keep = torch.cat([torch.arange(need), torch.arange(tc - size, tc)]).to(ctx.device)
+            ctx, ctx_pos = ctx[:, keep], ctx_pos[keep]
+            cache.dropped += tc - need - size
+        n, old = ctx.shape[1], cache.length - sinks  # old: cached positions past the sinks
+        if old > 0 and cache.length + n > sinks + size + WINDOW_SLACK:
+            stay = min(old, max(0, size - n))  # old positions still inside the window after the new rows
+            for buf in (cache.k, cache.v):  # [L, B, Hkv, S, D]
+                buf[:, :, :, sinks : sinks + stay] = buf[:, :, :, cache.length - stay : cache.length].clone()
+            cache.dropped += old - stay
+            cache.length = sinks + stay
+        return ctx, ctx_pos
 
     def _flat_plan(self) -> nn.Module | None:
         # FlatDraft for this drafter (built once per script setting), or None where it does not apply:

@@ -132,6 +132,8 @@ def load(
     quantize: str | None = None,
     cuda_graphs: bool = False,
     draft_vocab: bool = True,
+    draft_window: int | None = None,
+    draft_sinks: int = 64,
 ) -> Pipeline:
     """Load a target and its drafter.
 
@@ -141,7 +143,9 @@ def load(
     drafter; int4: CPU only), or "auto" (`loading.auto_quantize`: int4 on a CPU for a 4-bit GGUF file).
     cuda_graphs: replay the target's decode and verify passes as CUDA graphs (cudagraph.py; CUDA,
     Llama-family targets). draft_vocab: where the drafter has a draft vocabulary (draft_vocab.json),
-    draft logits come from those rows of the LM head (False: the whole head). The performance switches
+    draft logits come from those rows of the LM head (False: the whole head). draft_window: the drafter
+    attends to its first `draft_sinks` and last `draft_window` context positions (None: all; only the
+    proposals change). The performance switches
     live here, and none changes greedy output.
     """
     dev = loading.pick_device(device)
@@ -187,6 +191,7 @@ def load(
         drafter = load_drafter(draft_path, device=dev, dtype=dt)
         if not draft_vocab:
             drafter.set_draft_vocab(None)
+        drafter.set_window(draft_window, draft_sinks)
         if quantizer is not None:
             # The drafter's layers too: a draft pass reads its weights once per cycle, and its proposals
             # only steer speed (the target verifies every token), so output stays the same.

@@ -71,7 +71,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .generate import load
 
     pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
-                cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab)
+                cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab,
+                draft_window=args.draft_window, draft_sinks=args.draft_sinks)
     sizes = [int(s) for s in args.sizes.split(",")]
     r = profile_pipeline(pipe, sizes, args.context, args.repeats)
     d = r["decode_s"]

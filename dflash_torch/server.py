@@ -79,6 +79,8 @@ class ServerConfig:
     quantize: str | None = None  # "int8", "int4" (weight-only quantized target), "auto" or None / "none"
     cuda_graphs: bool = False  # decode/verify passes replayed as CUDA graphs
     draft_vocab: bool = True  # the drafter's draft vocabulary where it has one (False: the whole LM head)
+    draft_window: int | None = None  # the drafter attends to its first draft_sinks and last draft_window positions
+    draft_sinks: int = 64
     adaptive: bool = False  # adaptive block size (inside the fallback's decision)
     fallback: bool = True  # target-only fallback when speculation is slower
     lookup: bool | None = None  # prompt-lookup drafts beside the drafter (None: on whenever the drafter is)
@@ -1133,7 +1135,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
 
     config = config or ServerConfig()
     loader = loader or (lambda: load(config.model, config.draft, config.device, config.dtype, quantize=config.quantize,
-                                     cuda_graphs=config.cuda_graphs, draft_vocab=config.draft_vocab))
+                                     cuda_graphs=config.cuda_graphs, draft_vocab=config.draft_vocab,
+                                     draft_window=config.draft_window, draft_sinks=config.draft_sinks))
     engine = Engine(config, loader, on_load_error)
 
     @asynccontextmanager
@@ -1662,7 +1665,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         fastpath_max_tokens=args.fastpath_max_tokens, api_key=args.api_key, max_tokens=args.max_tokens,
         block_size=args.block_size, max_queue=args.max_queue, device=args.device, dtype=args.dtype,
         quantize=getattr(args, "quantize", None), cuda_graphs=getattr(args, "cuda_graphs", False),
-        draft_vocab=getattr(args, "draft_vocab", True),
+        draft_vocab=getattr(args, "draft_vocab", True), draft_window=getattr(args, "draft_window", None),
+        draft_sinks=getattr(args, "draft_sinks", 64),
         adaptive=getattr(args, "adaptive", None) is not False,  # on unless --no-adaptive (or --block-size)
         lookup=getattr(args, "lookup", None),
         prefix_cache_max_entries=0 if args.no_prefix_cache else args.prefix_cache_max_entries,

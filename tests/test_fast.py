@@ -547,3 +547,55 @@ def test_flat_draft_pass_equals_module_path(pair, quant):
             assert c1.length == c2.length == 23
             assert torch.equal(c1.k[:, :, :, :23], c2.k[:, :, :, :23])
             assert torch.equal(c1.v[:, :, :, :23], c2.v[:, :, :, :23])
+
+
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_draft_window_attends_sinks_and_recent_positions(pair, quant, monkeypatch):
+    """A windowed drafter (set_window) proposes what the whole-context drafter proposes when the positions
+    its cache left out are masked, flat path or modules, over cycles that trim new context and compact the
+    cache; its cache stays within the window; speculative output still equals target-only output."""
+    from dflash_torch import drafter as drafter_module
+
+    monkeypatch.setattr(drafter_module, "WINDOW_SLACK", 4)
+    path, dpath = pair
+    target = _load(path, quant)
+    drafter = load_drafter(dpath)
+    if quant:
+        quantize_int4(drafter)
+    drafter.fuse_context_kv()
+    rng = random.Random(5)
+    prompt = [rng.randrange(255) for _ in range(64)]
+    sinks, size = 3, 10
+    with torch.inference_mode():
+        feats = target(torch.tensor([prompt]), target.new_cache(80), taps=drafter.target_layer_ids).hidden
+        for fast in (False, True):
+            drafter.flat = fast
+            drafter.set_window(size, sinks)
+            dc = drafter.new_cache(80)
+            assert dc.max_len <= sinks + size + 4 + drafter.block_size
+            used, dropped = 0, []
+            for n_ctx, width in ((20, 8), (1, 2), (3, 5), (2, 8), (6, 4), (1, 8), (9, 3), (2, 8)):
+                block = torch.tensor([[prompt[used + n_ctx - 1]] + [drafter.mask_token_id] * (width - 1)])
+                got = drafter.propose(target, block, feats[:, used : used + n_ctx], dc)
+                used += n_ctx
+                assert dc.length + dc.dropped == used and dc.length <= sinks + size + 4
+                dropped.append(dc.dropped)
+                # the reference: the whole context, the left-out positions masked
+                seen = torch.zeros(used + width, dtype=torch.bool)
+                seen[: min(sinks, used)] = seen[sinks + dc.dropped :] = True
+                drafter.set_window(None)
+                emb = target.embed_tokens(block)
+                hidden = drafter(emb, feats[:, :used], torch.arange(used, used + width), torch.arange(used),
+                                 extra_mask=seen.expand(width, -1))
+                want = drafter.logits(hidden[:, 1:], target.lm_head)
+                drafter.set_window(size, sinks)
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            assert dropped[0] == 20 - sinks - size and dropped[-1] > dropped[0]  # trimmed, then compacted
+        drafter.set_window(4, 2)
+        for bs in (3, 8):
+            want, _ = _gen(target, prompt[:9], 40)
+            got, stats = _gen(target, prompt[:9], 40, drafter=drafter, bs=bs)
+            assert got == want and stats.cycles > 0
+    with pytest.raises(ValueError, match="size >= 1"):
+        drafter.set_window(0)
+
