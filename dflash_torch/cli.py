@@ -23,7 +23,8 @@ def _common_model_args(p: argparse.ArgumentParser, draft: bool = True, decoding:
                             "one (draft_vocab.json); --no-draft-vocab: the whole head (default: on)")
         p.add_argument("--draft-window", type=int, default=None, metavar="N",
                        help="the drafter attends to the last N context positions (and the first --draft-sinks) "
-                            "instead of all of them: a fixed cost per cycle on long contexts (default: all)")
+                            "instead of all of them: a fixed cost per cycle on long contexts; 0: all (default: "
+                            "the drafter's own setting, dflash_config.draft_window, else all)")
         p.add_argument("--draft-sinks", type=int, default=64, metavar="N",
                        help="with --draft-window: the first N positions stay in view (default 64)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")

@@ -11,6 +11,9 @@ Checkpoint keys (no embedding, no LM head: the target's are shared):
   layers.N.{input_layernorm,post_attention_layernorm}.weight, layers.N.self_attn.{q,k,v,o}_proj.weight,
   layers.N.self_attn.{q,k}_norm.weight, layers.N.mlp.{gate,up,down}_proj.weight
 
+`dflash_config.draft_window` / `draft_sinks` (ours; other loaders ignore them): the context positions the
+drafter attends to by default (`DFlashDrafter.set_window`), for a drafter trained on short contexts.
+
 Optionally, beside them, `draft_vocab.json` ({"token_ids": [...]}, ours; other loaders ignore it): the
 tokens the drafter may propose. Its logits then come from those rows of the target's LM head only
 (a fraction of the head's cost); other tokens get -inf. Output is still the target's: only what is
@@ -261,6 +264,8 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("draft_vocab", None, persistent=False)
         self._head = None  # (the target's LM head, its draft-vocabulary rows as a head of the same kind)
         self.window: tuple[int, int] | None = None  # (sinks, size): the context positions attended (set_window)
+        if dflash_value(c, "draft_window") is not None:
+            self.set_window(int(dflash_value(c, "draft_window")), int(dflash_value(c, "draft_sinks", 64)))
         self.flat = True  # draft passes through FlatDraft where it applies (same bits; False: the modules)
         self.script = True  # FlatDraft compiled by TorchScript on a CPU (same bits; False: in Python)
         self._plan = None

@@ -144,8 +144,9 @@ def load(
     cuda_graphs: replay the target's decode and verify passes as CUDA graphs (cudagraph.py; CUDA,
     Llama-family targets). draft_vocab: where the drafter has a draft vocabulary (draft_vocab.json),
     draft logits come from those rows of the LM head (False: the whole head). draft_window: the drafter
-    attends to its first `draft_sinks` and last `draft_window` context positions (None: all; only the
-    proposals change). The performance switches
+    attends to its first `draft_sinks` and last `draft_window` context positions (0: all of them; None:
+    the drafter's own setting, `dflash_config.draft_window`, else all; only the proposals change). The
+    performance switches
     live here, and none changes greedy output.
     """
     dev = loading.pick_device(device)
@@ -191,7 +192,8 @@ def load(
         drafter = load_drafter(draft_path, device=dev, dtype=dt)
         if not draft_vocab:
             drafter.set_draft_vocab(None)
-        drafter.set_window(draft_window, draft_sinks)
+        if draft_window is not None:
+            drafter.set_window(draft_window or None, draft_sinks)
         if quantizer is not None:
             # The drafter's layers too: a draft pass reads its weights once per cycle, and its proposals
             # only steer speed (the target verifies every token), so output stays the same.

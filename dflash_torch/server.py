@@ -80,6 +80,7 @@ class ServerConfig:
     cuda_graphs: bool = False  # decode/verify passes replayed as CUDA graphs
     draft_vocab: bool = True  # the drafter's draft vocabulary where it has one (False: the whole LM head)
     draft_window: int | None = None  # the drafter attends to its first draft_sinks and last draft_window positions
+    # (0: all of them; None: as the drafter's config says)
     draft_sinks: int = 64
     adaptive: bool = False  # adaptive block size (inside the fallback's decision)
     fallback: bool = True  # target-only fallback when speculation is slower
@@ -767,7 +768,11 @@ class Engine:
         if p.drafter:
             drafter = f"{p.draft_path} (block {min(c.block_size or p.drafter.block_size, p.drafter.block_size)}"
             vocab = getattr(p.drafter, "draft_vocab", None)
-            drafter += ")" if vocab is None else f", proposing from {len(vocab)} tokens)"
+            drafter += "" if vocab is None else f", proposing from {len(vocab)} tokens"
+            window = getattr(p.drafter, "window", None)
+            if window is not None:
+                drafter += f", attending to its first {window[0]} and last {window[1]} positions"
+            drafter += ")"
         fastpath = f"max_tokens <= {c.fastpath_max_tokens} target-only" if c.fastpath_max_tokens else "off"
         prefix = "off"
         if self.prefix:
@@ -788,7 +793,8 @@ class Engine:
                  str(p.dtype).removeprefix("torch."), _weights(p), c.max_queue, prefix)
         log.info("dflash serve: reasoning parser %s", "<think> ... </think> -> reasoning_content" if self.reasoning
                  else f"off ({'no <think> tokens in the tokenizer' if c.reasoning_parser == 'auto' else 'none'})")
-        log.info("dflash serve: ready on http://%s:%d (OpenAI API under /v1; /health, /metrics)", c.host, c.port)
+        log.info("dflash serve: ready on http://%s:%d (OpenAI API under /v1, Anthropic's /v1/messages; /health, "
+                 "/metrics)", c.host, c.port)
 
     def _run(self, job: Job) -> None:
         pipe, m = self.pipe, self.metrics
@@ -1599,7 +1605,8 @@ def add_parser(subparsers) -> None:
     """Register `dflash serve` (picked up by cli.build_parser)."""
     from .cli import _common_model_args, json_object
 
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, metrics)")
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, responses, "
+                                            "Anthropic messages, metrics)")
     _common_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)

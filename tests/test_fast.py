@@ -599,3 +599,25 @@ def test_draft_window_attends_sinks_and_recent_positions(pair, quant, monkeypatc
     with pytest.raises(ValueError, match="size >= 1"):
         drafter.set_window(0)
 
+
+def test_draft_window_from_the_drafter_config(pair, tmp_path):
+    """A drafter whose config names a window (dflash_config.draft_window, draft_sinks) attends through it by
+    default; load(draft_window=0) turns it off, draft_window=N replaces it."""
+    import json
+
+    from dflash_torch.generate import load
+
+    path, dpath = pair
+    d = tmp_path / "d"
+    d.mkdir()
+    for f in dpath.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    config = json.loads((d / "config.json").read_text())
+    config["dflash_config"] |= {"draft_window": 32, "draft_sinks": 4}
+    (d / "config.json").write_text(json.dumps(config))
+    assert load_drafter(d).window == (4, 32) and load_drafter(dpath).window is None
+    assert load(str(path), str(d), device="cpu", dtype="float32", quiet=True).drafter.window == (4, 32)
+    assert load(str(path), str(d), device="cpu", dtype="float32", quiet=True, draft_window=0).drafter.window is None
+    pipe = load(str(path), str(d), device="cpu", dtype="float32", quiet=True, draft_window=16, draft_sinks=2)
+    assert pipe.drafter.window == (2, 16)
+
