@@ -506,6 +506,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         target = loading.load_target(path, loading.pick_device(a.device), torch.float32)
         tok = loading.load_tokenizer(path)
         drafter = load_drafter(a.eval, device=target.lm_head.weight.device, dtype=torch.float32)
+        if a.draft_window is not None:
+            drafter.set_window(a.draft_window or None, a.draft_sinks)
         t0 = time.time()
         res = heldout_eval(target, tok, loading.stop_token_ids(path, tok), drafter, per_kind=a.spec_eval_prompts,
                            max_new_tokens=a.spec_eval_tokens, kinds=tuple(a.eval_kinds.split(",")))
@@ -571,4 +573,8 @@ def add_parser(sub) -> None:
                         "else the whole vocabulary)")
     p.add_argument("--eval", default=None, metavar="DRAFTER_DIR",
                    help="only measure a drafter's held-out acceptance with the real speculative loop")
+    p.add_argument("--draft-window", type=int, default=None, metavar="N",
+                   help="with --eval: the drafter attends to its first --draft-sinks and last N context positions "
+                        "(0: all; default: as its config says)")
+    p.add_argument("--draft-sinks", type=int, default=64, metavar="N")
     p.set_defaults(func=cmd_train)
