@@ -70,6 +70,7 @@ class ServerConfig:
     port: int = 8000
     fastpath_max_tokens: int = 0  # requests with max_tokens <= this run target-only
     api_key: str | None = None
+    served_model_name: str | None = None  # the model id clients see (default: the model's name)
     allowed_origins: list[str] = field(default_factory=list)  # CORS: web pages that may call the API ("*": any)
     max_tokens: int = 256  # default when a request gives none (clipped to the context left)
     block_size: int | None = None
@@ -662,6 +663,8 @@ class Engine:
     def name(self) -> str:
         from .loading import DEFAULT_MODEL_NAME
 
+        if self.config.served_model_name:
+            return self.config.served_model_name
         return self.pipe.name if self.pipe else self.config.model or DEFAULT_MODEL_NAME
 
     def start(self) -> None:
@@ -1613,6 +1616,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--fastpath-max-tokens", type=int, default=0, metavar="N",
                    help="requests with max_tokens <= N run target-only (default 0: off)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id /v1/models lists and answers carry (default: the model's name)")
     p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="web pages (origins such as http://localhost:3000, or '*' for any) whose scripts may call "
                         "the API from a browser (CORS; default: none)")
@@ -1681,6 +1686,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefix_cache_l2_dir=args.prefix_cache_l2_dir, prefix_cache_l2_max_bytes=args.prefix_cache_l2_max_bytes,
         chat_template_args=args.chat_template_args, prefill_step_size=args.prefill_step_size,
         reasoning_parser=args.reasoning_parser, allowed_origins=args.allowed_origins,
+        served_model_name=args.served_model_name,
     )
     failed: list[BaseException] = []
 

@@ -656,6 +656,14 @@ def test_allowed_origins(pipe):
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
+def test_served_model_name(pipe):
+    with serve(pipe, served_model_name="house-model") as base:
+        assert [m.id for m in client(base).models.list()] == ["house-model"]
+        r = client(base).chat.completions.create(model="house-model", messages=OK_MSGS, max_tokens=2)
+        assert r.model == "house-model"
+        assert httpx.get(base + "/health").json()["model"] == "house-model"
+
+
 def test_health_is_503_while_loading_then_200(pipe):
     gate = threading.Event()
 
