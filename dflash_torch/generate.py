@@ -70,19 +70,25 @@ class Pipeline:
         return self.encode_messages(messages, template_args) if chat else self._plain(text)
 
     def encode_messages(self, messages: list[dict], template_args: dict | None = None,
-                        tools: list[dict] | None = None) -> list[int]:
+                        tools: list[dict] | None = None, continue_final: bool = False) -> list[int]:
         """Token ids for a chat (list of {"role", "content"}), with the generation prompt appended.
         `template_args`: extra variables for the chat template (e.g. {"enable_thinking": False} for Qwen3).
-        `tools`: OpenAI function tools, shown to the model by its chat template."""
+        `tools`: OpenAI function tools, shown to the model by its chat template. `continue_final`: the last
+        message is the start of the reply (an assistant message left open), which the model continues."""
         tok = self._need_tokenizer()
         template = getattr(tok, "chat_template", None)
         if tools and not (isinstance(template, str) and "tools" in template):
             raise ValueError("this model's chat template does not take tools")
+        if continue_final and (not messages or messages[-1]["role"] != "assistant"):
+            raise ValueError("only a final assistant message can be continued")
         if not template:
+            if continue_final:
+                *messages, last = messages
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-            return self._plain(text)
+            return self._plain(text + (last["content"] if continue_final else ""))
         kwargs = dict(template_args or {}) | ({"tools": tools} if tools else {})
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        ids = tok.apply_chat_template(messages, add_generation_prompt=not continue_final, tokenize=True,
+                                      continue_final_message=continue_final, **kwargs)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

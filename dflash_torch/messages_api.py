@@ -99,6 +99,11 @@ def to_chat(body: dict) -> dict:
     if not isinstance(stream, bool):
         raise MessagesError("'stream' must be a boolean", "stream")
     chat = {"messages": messages, "stream": stream}
+    if messages[-1]["role"] == "assistant":  # a prefilled reply: the model continues it
+        if messages[-1].get("tool_calls"):
+            raise MessagesError("the last message may be the assistant's only as text to continue",
+                                f"messages[{len(given) - 1}]")
+        chat["continue_final_message"] = True
     for src, dst in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                      ("top_k", "top_k"), ("stop_sequences", "stop"), ("model", "model")):
         if body.get(src) is not None:

@@ -391,6 +391,16 @@ def parse_tools(body: dict) -> list[dict] | None:
     return tools
 
 
+def continue_final(body: dict, messages: list[dict]) -> bool:
+    """vLLM's `continue_final_message`: the reply continues the last message (an assistant's), as the start
+    of the answer the client wrote (what Anthropic's API does whenever the last message is the assistant's)."""
+    if not _field(body, "continue_final_message", "bool", False):
+        return False
+    if messages[-1]["role"] != "assistant":
+        raise bad("'continue_final_message' needs the last message to be the assistant's", "continue_final_message")
+    return True
+
+
 def forced_tool(body: dict) -> tuple[bool, str | None]:
     """(a call is forced, the tool it must be: None for any) from `tool_choice` (checked by parse_tools)."""
     choice = body.get("tool_choice")
@@ -695,8 +705,10 @@ class Engine:
         return self.pipe
 
     def encode(self, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
-               template_args: dict | None = None, tools: list[dict] | None = None) -> list[int]:
-        """Prompt token ids for a chat (template applied, with `template_args`) or a completions prompt."""
+               template_args: dict | None = None, tools: list[dict] | None = None,
+               continue_final: bool = False) -> list[int]:
+        """Prompt token ids for a chat (template applied, with `template_args`) or a completions prompt
+        (`continue_final`: the last message, an assistant's, is continued instead of answered)."""
         pipe = self.ready()
         if isinstance(prompt, list):
             return prompt
@@ -704,7 +716,7 @@ class Engine:
         try:
             with self.tokenizer_lock:
                 if messages is not None:
-                    return pipe.encode_messages(messages, template_args, tools)
+                    return pipe.encode_messages(messages, template_args, tools, continue_final)
                 return pipe.encode(prompt, chat=False)
         except Exception as e:  # no tokenizer, a template that rejects these messages
             if tools and "does not take tools" in str(e):
@@ -1236,8 +1248,9 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             raise bad("give one of 'prompt' (text) or 'messages'", "prompt")
         if body.get("messages") is not None:
             args = config.chat_template_args | _field(body, "chat_template_kwargs", "object", {})
-            ids = await asyncio.to_thread(engine.encode, messages=parse_messages(body["messages"]), template_args=args,
-                                          tools=parse_tools(body))
+            messages = parse_messages(body["messages"])
+            ids = await asyncio.to_thread(engine.encode, messages=messages, template_args=args, tools=parse_tools(body),
+                                          continue_final=continue_final(body, messages))
         else:
             ids = await asyncio.to_thread(engine.encode, prompt=_field(body, "prompt", "str"))
         return {"tokens": ids, "count": len(ids), "max_model_len": pipe.max_context}
@@ -1293,7 +1306,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             req.grammar = ("tool_choice", "lark", lark)
         # vLLM's field: variables for the chat template, over the server's --chat-template-args
         template_args = config.chat_template_args | _field(body, "chat_template_kwargs", "object", {})
-        ids = await asyncio.to_thread(engine.encode, messages=messages, template_args=template_args, tools=tools)
+        ids = await asyncio.to_thread(engine.encode, messages=messages, template_args=template_args, tools=tools,
+                                      continue_final=continue_final(body, messages))
         return await respond(request, "chat", req, ids, tools, streamer)
 
     @app.post("/v1/responses")
@@ -1395,8 +1409,9 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         """Anthropic's token count: the prompt tokens a /v1/messages request would run."""
         _, chat = await messages_request(request)
         args = config.chat_template_args | chat.get("chat_template_kwargs", {})
-        ids = await asyncio.to_thread(engine.encode, messages=parse_messages(chat["messages"]), template_args=args,
-                                      tools=parse_tools(chat))
+        messages = parse_messages(chat["messages"])
+        ids = await asyncio.to_thread(engine.encode, messages=messages, template_args=args, tools=parse_tools(chat),
+                                      continue_final=continue_final(chat, messages))
         return {"input_tokens": len(ids)}
 
     @app.post("/v1/completions")

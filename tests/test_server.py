@@ -1152,6 +1152,21 @@ def test_messages_api(server, pipe, monkeypatch):
         final = s.get_final_message()
     assert final.stop_reason == "stop_sequence" and final.stop_sequence == cut
 
+    # a prefilled reply (the last message is the assistant's): the model continues it, as chat completions'
+    # continue_final_message does (vLLM's field)
+    prefilled = MSGS + [{"role": "assistant", "content": "Rain"}]
+    ids = pipe.encode_messages(parse_messages(prefilled), continue_final=True)
+    assert pipe.tokenizer.decode(ids).endswith("<|user|>Write a haiku about rain<|end|><|assistant|>Rain")
+    m = a.messages.create(model="t", system="Be brief.", messages=user + prefilled[-1:], max_tokens=12)
+    assert m.content[0].text == solo(pipe, ids, 12) and prompt_tokens(m.usage) == len(ids)
+    r = client(server).chat.completions.create(model="t", messages=prefilled, max_tokens=12,
+                                               extra_body={"continue_final_message": True})
+    assert r.choices[0].message.content == m.content[0].text and r.usage.prompt_tokens == len(ids)
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": MSGS, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    r = httpx.post(server + "/tokenize", json={"messages": prefilled, "continue_final_message": True})
+    assert r.json()["tokens"] == ids
+
     # errors: Anthropic's shape, naming the field the client sent
     for body, param in [({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
                         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
