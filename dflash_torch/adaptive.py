@@ -135,12 +135,13 @@ def calibrate(target, drafter, sizes: tuple[int, ...] | None = None, context: in
     out = target(prompt, cache, logits="last", taps=drafter.target_layer_ids)
     block = torch.full((1, max(sizes)), drafter.mask_token_id, dtype=torch.long, device=device)
     drafter.propose(target, block[:, :2], out.hidden, dcache)  # the one-off first pass over the context
+    seen = dcache.length  # the context's slots (fewer than its positions for a windowed drafter)
     costs = {}
     for b in sizes:
         times = []
         for _ in range(repeats + 1):  # the first run warms up
             cache.crop(context)
-            dcache.crop(context - new)
+            dcache.crop(seen - new)
             blk = block[:, :b].clone()
             if device.type == "cuda":
                 torch.cuda.synchronize()

@@ -57,10 +57,10 @@ def profile_pipeline(pipe, sizes: list[int], context: int = 128, repeats: int = 
             # the first cycle's draft also fuses the whole prompt's features; later ones only a few:
             # time the steady state, with the context already cached and a handful of new features
             draft()
-            steady = out.hidden[:, :4]
+            steady, seen = out.hidden[:, :4], dcache.length  # seen: fewer slots than positions if windowed
 
-            def draft_steady(b=b, block=block, dcache=dcache, steady=steady):
-                dcache.crop(context - 4)
+            def draft_steady(b=b, block=block, dcache=dcache, steady=steady, seen=seen):
+                dcache.crop(seen - 4)
                 drafter.propose(target, block, steady, dcache).argmax(-1)
 
             result["draft_s"][b] = _time(draft_steady, repeats)

@@ -10,6 +10,8 @@ import torch
 from dflash_torch import layers, loading
 from dflash_torch.adaptive import AdaptiveBlockSize, calibrate
 from dflash_torch.drafter import FlatDraft, load_drafter
+from dflash_torch.generate import Pipeline
+from dflash_torch.profile import profile_pipeline
 from dflash_torch.quantize import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from dflash_torch.speculative import Stats, generate_tokens
 
@@ -198,11 +200,21 @@ def test_adaptive_full_block_tries_cost_what_they_are_allowed_to():
     assert good.history[-100:] == [16] * 100
 
 
-def test_calibrate_measures_each_block_size(pair):
+def test_calibrate_measures_each_block_size(pair, monkeypatch):
+    from dflash_torch import drafter as drafter_module
+
     path, dpath = pair
     target = loading.load_target(path, torch.device("cpu"), torch.float32)
     costs = calibrate(target, load_drafter(dpath), context=16, repeats=1)
     assert sorted(costs) == [1, 2, 4, 8] and all(t > 0 for t in costs.values())
+    windowed = load_drafter(dpath)
+    monkeypatch.setattr(drafter_module, "WINDOW_SLACK", 4)
+    windowed.set_window(8, 2)  # a context longer than the window: the drafter holds fewer slots than positions
+    costs = calibrate(target, windowed, context=40, repeats=1)
+    assert sorted(costs) == [1, 2, 4, 8] and all(t > 0 for t in costs.values())
+
+    pipe = Pipeline(target=target, tokenizer=None, stop_token_ids=[], model_path=path, name="t", drafter=windowed)
+    assert sorted(profile_pipeline(pipe, [2, 4], context=40, repeats=1)["draft_s"]) == [2, 4]
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
