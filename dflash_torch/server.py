@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from . import messages_api, structured
+from . import fim, messages_api, structured
 from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
 from .fallback import FallbackController
 from .generate import Detokenizer, Pipeline, check_lengths, load, prompt_logprobs
@@ -52,7 +52,7 @@ ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "
              "/v1/models": "models", "/tokenize": "tokenize", "/detokenize": "detokenize",
              "/health": "health", "/metrics": "metrics", "/metrics.json": "metrics"}
 # Accepted by OpenAI but not implemented here: refuse rather than silently answer something else.
-UNSUPPORTED = ("suffix", "functions")
+UNSUPPORTED = ("functions",)
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16  # n: choices per request, generated one after the other
@@ -591,6 +591,7 @@ class Job:
     echo: str | None = None  # completions' echo: this text (the prompt) comes before the completion
     tool_calls: list[dict] = field(default_factory=list)
     stop: str | None = None  # the stop string that ended the text
+    stop_ids: tuple[int, ...] = ()  # token ids that end it beside the model's own (a fill-in-the-middle's)
     id: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -827,7 +828,8 @@ class Engine:
                 job.controller = WithFallback(job.controller, self.adaptive)
         text = TextStream(pipe, job.stops)
         calls = ToolCallStream(job.tools) if job.tools else None
-        stops = set(pipe.stop_token_ids)
+        stop_ids = [*pipe.stop_token_ids, *job.stop_ids]
+        stops = set(stop_ids)
         finish, status = "length", 200
         lp = TokenLogprobs(job.logprobs) if job.logprobs is not None else None
         held: list[dict] = []  # entries of tokens whose text has not gone out yet
@@ -866,7 +868,7 @@ class Engine:
 
         gen = generate_tokens(
             pipe.target, job.prompt_ids, max_new_tokens=job.max_tokens, drafter=pipe.drafter if use_draft else None,
-            block_size=self.config.block_size, stop_token_ids=pipe.stop_token_ids, sampler=job.sampler,
+            block_size=self.config.block_size, stop_token_ids=stop_ids, sampler=job.sampler,
             stats=job.stats, controller=job.controller,
             lookup=not job.fastpath and (use_draft if self.config.lookup is None else self.config.lookup),
             # timings carried over would steer a seeded sampled request's widths: it measures its own
@@ -1424,13 +1426,23 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             if body.get(name) is not None:
                 raise bad(f"'{name}' belongs to /v1/chat/completions, not /v1/completions", name)
         prompt = parse_prompt(body.get("prompt"))
+        suffix, stop_ids = _field(body, "suffix", "str"), ()
+        if suffix is not None:  # fill in the middle, between the prompt and the suffix
+            if echo or not isinstance(prompt, str):
+                raise bad("'suffix' needs a text prompt and no 'echo'", "suffix")
+            pipe = engine.ready()
+            try:
+                prompt = fim.fim_prompt(pipe.tokenizer, prompt, suffix)
+            except (ValueError, AttributeError) as e:
+                raise bad(str(e) if isinstance(e, ValueError) else "this model has no tokenizer", "suffix") from None
+            stop_ids = tuple(fim.end_token_ids(pipe.tokenizer))
         ids = await asyncio.to_thread(engine.encode, prompt=prompt)
         return await respond(request, "completions", req, ids, echo=prompt if isinstance(prompt, str) else None,
-                             echo_ids=echo)
+                             echo_ids=echo, stop_ids=stop_ids)
 
     async def respond(request: Request, endpoint: str, req: GenRequest, ids: list[int],
                       tools: list[dict] | None = None, streamer=None, echo: str | None = None,
-                      echo_ids: bool = False):
+                      echo_ids: bool = False, stop_ids: tuple[int, ...] = ()):
         pipe = engine.ready()
         req.grammar = await compile_grammar(req.grammar)
         prompt_param = "messages" if endpoint == "chat" else "prompt"
@@ -1455,7 +1467,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                 req.sampler, seed=None if req.sampler.seed is None else req.sampler.seed + i)
             job = Job(endpoint, ids, max_tokens, sampler, req.stops, asyncio.get_running_loop(),
                       fastpath=max_tokens <= config.fastpath_max_tokens, tools=tools, logprobs=req.logprobs,
-                      grammar=req.grammar, id=f"{jobs[0].id}-{i}" if jobs else "")
+                      grammar=req.grammar, id=f"{jobs[0].id}-{i}" if jobs else "", stop_ids=stop_ids)
             if echo_ids:  # the prompt as given (text), or as its tokens decode
                 job.echo = echo if echo is not None else pipe.decode(ids)
             try:

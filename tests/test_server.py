@@ -43,7 +43,7 @@ TEMPLATE = (  # `preamble`: a template variable, for --chat-template-args / chat
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a haiku about rain"}]
 
 
-def make_chat_model(path: Path) -> tuple[Path, Path]:
+def make_chat_model(path: Path, specials: list[str] = SPECIALS) -> tuple[Path, Path]:
     """A tiny random Llama whose vocab is a character-level tokenizer with a chat template, and a
     random drafter for it: (target dir, drafter dir)."""
     from tokenizers import Tokenizer, decoders, models
@@ -52,10 +52,10 @@ def make_chat_model(path: Path) -> tuple[Path, Path]:
     # One token per printable ASCII character (a BPE without merges splits text into characters);
     # the last id is the drafter's mask token.
     chars = list(dict.fromkeys(string.printable[:95] + "\n"))
-    vocab = {t: i for i, t in enumerate(SPECIALS + chars + ["<|mask|>"])}
+    vocab = {t: i for i, t in enumerate(specials + chars + ["<|mask|>"])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIALS + ["<|mask|>"])
+    tok.add_special_tokens(specials + ["<|mask|>"])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<|end|>")
     fast.chat_template = TEMPLATE
     target = make_hf_model("llama", path / "target", vocab_size=len(vocab), eos_token_id=vocab["<|end|>"],
@@ -1231,6 +1231,41 @@ def test_messages_api(server, pipe, monkeypatch):
         with pytest.raises(anthropic.AuthenticationError):
             anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(
                 model="t", messages=ask, max_tokens=5)
+
+
+def test_fill_in_the_middle(pipe, tmp_path, monkeypatch):
+    """Completions with a `suffix`: the prompt in the model's fill-in-the-middle format (its FIM tokens), the
+    fill stopped by the format's end tokens too; a model without FIM tokens answers 400."""
+    from dflash_torch import server as server_module
+
+    fim = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>"]
+    target, draft = make_chat_model(tmp_path, SPECIALS + fim)
+    coder = load(str(target), str(draft), device="cpu", dtype="float32")
+    ids = coder.encode("<|fim_prefix|>def add(a, b):\n    <|fim_suffix|>\n\nprint(add(1, 2))<|fim_middle|>",
+                       chat=False)
+    marks = [ids.index(coder.tokenizer.convert_tokens_to_ids(t)) for t in fim[:3]]  # one token each
+    assert marks[0] == 0 and marks[1] < marks[2] == len(ids) - 1
+    with serve(coder) as base:
+        c = client(base)
+        r = c.completions.create(model="t", prompt="def add(a, b):\n    ", suffix="\n\nprint(add(1, 2))", max_tokens=16)
+        assert r.choices[0].text == solo(coder, ids, 16) and r.usage.prompt_tokens == len(ids)
+        for body in ({"echo": True}, {"prompt": [5, 6]}):
+            resp = httpx.post(base + "/v1/completions", json={"prompt": "x", "suffix": "y", "max_tokens": 2} | body)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "suffix"
+        # the fill ends where the model writes <|fim_pad|>, even where its own stop tokens would not end it
+        pad = coder.tokenizer.convert_tokens_to_ids("<|fim_pad|>")
+
+        def scripted(target, prompt, *, max_new_tokens, **kw):
+            yield from coder.encode("return a + b", chat=False) + [pad] + coder.encode("junk", chat=False)
+
+        monkeypatch.setattr(server_module, "generate_tokens", scripted)
+        r = c.completions.create(model="t", prompt="def add(a, b):\n    ", suffix="\n", max_tokens=40)
+        assert r.choices[0].text == "return a + b" and r.choices[0].finish_reason == "stop"
+        r = c.completions.create(model="t", prompt="def add(a, b):\n    ", max_tokens=40)
+        assert r.choices[0].text == "return a + bjunk"  # no suffix: an ordinary completion
+    with serve(pipe) as base:
+        resp = httpx.post(base + "/v1/completions", json={"prompt": "x", "suffix": "y", "max_tokens": 2})
+        assert resp.status_code == 400 and "fill-in-the-middle" in resp.json()["error"]["message"]
 
 
 def test_tool_call_stream_any_chunking():
