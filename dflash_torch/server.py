@@ -151,6 +151,7 @@ class GenRequest:
     logprobs: int | None = None  # None: not asked for; k: each token's log-probability and its k best
     grammar: tuple | str | None = None  # structured output: parse_grammar's, then the compiled grammar
     n: int = 1  # choices
+    fit: bool = False  # a max_tokens beyond the context left is cut to it (else: a 400)
 
 
 def parse_common(body: dict, min_tokens: int = 1) -> GenRequest:
@@ -1288,12 +1289,14 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
     async def chat(request: Request):
         return await chat_answer(request, await request_body(request))
 
-    async def chat_answer(request: Request, body: dict, streamer=None):
+    async def chat_answer(request: Request, body: dict, streamer=None, fit: bool = False):
         """A chat completions body -> its answer (a stream, or the chat.completion object). `streamer(job,
-        req)`: the server-sent events of a streamed answer (default: chat completion chunks)."""
+        req)`: the server-sent events of a streamed answer (default: chat completion chunks). `fit`: cut a
+        max_tokens beyond the context left to it."""
         if body.get("echo"):
             raise bad("'echo' belongs to /v1/completions", "echo")
         req = parse_common(body)
+        req.fit = fit
         req.logprobs = parse_logprobs(body, "chat")
         messages = parse_messages(body.get("messages"))
         tools = parse_tools(body)
@@ -1401,10 +1404,12 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         """Anthropic's Messages API through chat completions (`messages_api`)."""
         body, chat = await messages_request(request)
         single = (body.get("tool_choice") or {}).get("disable_parallel_tool_use") is True
+        # Anthropic's clients send a large max_tokens whatever the model (a required field; Claude Code's is
+        # 32,000): one beyond a local model's context is cut to what is left, not refused.
         if chat["stream"]:
             return await chat_answer(request, chat, streamer=lambda job, req: messages_api.events(job, engine.name,
-                                                                                                 single))
-        return messages_api.to_message(await chat_answer(request, chat), engine.name, single)
+                                                                                                 single), fit=True)
+        return messages_api.to_message(await chat_answer(request, chat, fit=True), engine.name, single)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
@@ -1451,6 +1456,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             raise bad(f"the prompt ({len(ids)} tokens) fills the model's context of {pipe.max_context} tokens",
                       prompt_param)
         max_tokens = req.max_tokens if req.max_tokens is not None else min(config.max_tokens, room)
+        if req.fit:
+            max_tokens = min(max_tokens, room)
         if req.grammar is not None and pipe.tokenizer is None:
             raise bad("structured output needs the model's tokenizer, and this model has none", "response_format")
         bias = req.sampler.logit_bias

@@ -1131,6 +1131,12 @@ def test_messages_api(server, pipe, monkeypatch):
     assert m2.content[0].text == m.content[0].text
     assert a.messages.count_tokens(model="tiny", system="Be brief.", messages=user).input_tokens == \
         prompt_tokens(m.usage)
+    # a max_tokens beyond the context (Anthropic's clients send large ones) is cut to what is left
+    room = pipe.max_context - prompt_tokens(m.usage)
+    r = httpx.post(server + "/v1/messages", json={"messages": user, "system": "Be brief.", "max_tokens": 10**6})
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] <= room
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 10**6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # chat completions: refused
 
     with a.messages.stream(model="tiny", system="Be brief.", messages=user, max_tokens=20) as s:
         streamed = "".join(s.text_stream)
