@@ -512,6 +512,9 @@ def chat_to_response(out: dict, body: dict) -> dict:
     choice, usage = out["choices"][0], out["usage"]
     msg, suffix = choice["message"], out["id"].split("-", 1)[-1]
     output = []
+    if msg.get("reasoning_content"):  # a thinking model's think block
+        output.append({"type": "reasoning", "id": f"rs_{suffix}", "summary": [], "status": "completed",
+                       "content": [{"type": "reasoning_text", "text": msg["reasoning_content"]}]})
     if msg.get("content"):
         output.append({"type": "message", "id": f"msg_{suffix}", "status": "completed", "role": "assistant",
                        "content": [{"type": "output_text", "text": msg["content"], "annotations": []}]})
@@ -1324,11 +1327,12 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         return chat_to_response(await chat_answer(request, chat), body)
 
     async def response_events(job: Job, body: dict) -> AsyncIterator[str]:
-        """The Responses API's server-sent events for one generation: created, text deltas of one message
-        item, then each function call as an item, then completed (or incomplete) with the whole response."""
+        """The Responses API's server-sent events for one generation: created, the reasoning of a thinking
+        model as a reasoning item, text deltas of one message item, then each function call as an item, then
+        completed (or incomplete) with the whole response."""
         seq, created = itertools.count(), int(time.time())
         suffix = job.id.split("-", 1)[-1]
-        mid = f"msg_{suffix}"
+        mid, rid = f"msg_{suffix}", f"rs_{suffix}"
 
         def event(kind: str, **fields) -> str:
             data = {"type": kind, "sequence_number": next(seq)} | fields
@@ -1338,27 +1342,48 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
             return {"type": "message", "id": mid, "status": status, "role": "assistant", "content": content}
 
+        def reasoning(text: str, status: str) -> dict:
+            content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+            return {"type": "reasoning", "id": rid, "summary": [], "status": status, "content": content}
+
         skeleton = {"id": f"resp_{suffix}", "object": "response", "created_at": created, "model": engine.name,
                     "status": "in_progress", "output": [], "tools": body.get("tools") or [],
                     "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": True,
                     "instructions": body.get("instructions"), "error": None, "incomplete_details": None,
                     "metadata": body.get("metadata") or {}}
         part = {"type": "output_text", "text": "", "annotations": []}
+        texts: list[str] = []
+        thoughts: list[str] = []  # a think block comes first, so the reasoning item is output 0 when there is one
+
+        def reasoning_done() -> list[str]:
+            thought = "".join(thoughts)
+            return [event("response.reasoning_text.done", item_id=rid, output_index=0, content_index=0, text=thought),
+                    event("response.output_item.done", output_index=0, item=reasoning(thought, "completed"))]
+
         try:
             yield event("response.created", response=skeleton)
             yield event("response.in_progress", response=skeleton)
-            texts: list[str] = []
             while True:
                 kind, payload = await job.events.get()
-                if kind in ("logprobs", "reasoning"):  # not part of this endpoint's events
+                if kind == "logprobs":  # not part of this endpoint's events
+                    continue
+                if kind == "reasoning" and not texts:
+                    if not thoughts:
+                        yield event("response.output_item.added", output_index=0, item=reasoning("", "in_progress"))
+                    thoughts.append(payload)
+                    yield event("response.reasoning_text.delta", item_id=rid, output_index=0, content_index=0,
+                                delta=payload)
                     continue
                 if kind == "delta":
+                    at = 1 if thoughts else 0
                     if not texts:
-                        yield event("response.output_item.added", output_index=0, item=message("", "in_progress"))
-                        yield event("response.content_part.added", item_id=mid, output_index=0, content_index=0,
+                        for e in reasoning_done() if thoughts else []:
+                            yield e
+                        yield event("response.output_item.added", output_index=at, item=message("", "in_progress"))
+                        yield event("response.content_part.added", item_id=mid, output_index=at, content_index=0,
                                     part=part)
                     texts.append(payload)
-                    yield event("response.output_text.delta", item_id=mid, output_index=0, content_index=0,
+                    yield event("response.output_text.delta", item_id=mid, output_index=at, content_index=0,
                                 delta=payload, logprobs=[])
                     continue
                 if kind == "error":
@@ -1366,19 +1391,25 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                     return
                 if kind == "cancelled":
                     return
-                break
-            text = "".join(texts)
+                if kind == "done":
+                    break
+            text, at = "".join(texts), 1 if thoughts else 0
+            if thoughts and not texts:
+                for e in reasoning_done():
+                    yield e
             if texts:
-                yield event("response.output_text.done", item_id=mid, output_index=0, content_index=0, text=text,
+                yield event("response.output_text.done", item_id=mid, output_index=at, content_index=0, text=text,
                             logprobs=[])
-                yield event("response.content_part.done", item_id=mid, output_index=0, content_index=0,
+                yield event("response.content_part.done", item_id=mid, output_index=at, content_index=0,
                             part=part | {"text": text})
-                yield event("response.output_item.done", output_index=0, item=message(text, "completed"))
+                yield event("response.output_item.done", output_index=at, item=message(text, "completed"))
             out = {"id": job.id, "created": created, "model": engine.name, "usage": usage(payload),
                    "choices": [{"finish_reason": payload["finish_reason"],
-                                "message": {"content": text or None, "tool_calls": payload.get("tool_calls")}}]}
+                                "message": {"content": text or None, "tool_calls": payload.get("tool_calls"),
+                                            "reasoning_content": "".join(thoughts) or None}}]}
             response = chat_to_response(out, body)
-            for k, item in enumerate(response["output"][1 if texts else 0:], start=1 if texts else 0):
+            first = int(bool(thoughts)) + int(bool(texts))  # the function calls come after those items
+            for k, item in enumerate(response["output"][first:], start=first):
                 yield event("response.output_item.added", output_index=k,
                             item=item | {"status": "in_progress", "arguments": ""})
                 yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,

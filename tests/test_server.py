@@ -1389,12 +1389,29 @@ def test_reasoning_content(pipe, monkeypatch):
             "\nThe user wants weather.\n"
         r = c.completions.create(model="t", prompt="x", max_tokens=200)
         assert r.choices[0].text == script["text"]
+        # the Responses API: the think block as a reasoning item before the message, streamed or not
+        r = c.responses.create(model="t", input="Weather in Paris?", max_output_tokens=200)
+        assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == "It is sunny."
+        assert r.output[0].content[0].text == "\nThe user wants weather.\n"
+        events = list(c.responses.create(model="t", input="Weather in Paris?", max_output_tokens=200, stream=True))
+        deltas = [e for e in events if e.type == "response.reasoning_text.delta"]
+        assert "".join(e.delta for e in deltas) == "\nThe user wants weather.\n"
+        assert {e.output_index for e in deltas} == {0}
+        assert {e.output_index for e in events if e.type == "response.output_text.delta"} == {1}
+        assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["reasoning", "message"]
+        assert [o.model_dump(exclude={"id"}) for o in events[-1].response.output] == [
+            o.model_dump(exclude={"id"}) for o in r.output]
         call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
         script["text"] = "<think>Use the tool.</think>" + call
         r = c.chat.completions.create(model="t", messages=user, tools=[WEATHER], max_tokens=300)
         assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name \
             == "get_weather"
         assert r.choices[0].message.model_extra["reasoning_content"] == "Use the tool."
+        events = list(c.responses.create(model="t", input="Weather in Paris?", tools=[
+            {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}],
+            max_output_tokens=300, stream=True))
+        done = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.done"]
+        assert done == [(0, "reasoning"), (1, "function_call")]
         script["text"] = "A plain answer."
         r = c.chat.completions.create(model="t", messages=user, max_tokens=200)
         m = r.choices[0].message
