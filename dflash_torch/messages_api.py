@@ -103,7 +103,10 @@ def to_chat(body: dict) -> dict:
         if messages[-1].get("tool_calls"):
             raise MessagesError("the last message may be the assistant's only as text to continue",
                                 f"messages[{len(given) - 1}]")
-        chat["continue_final_message"] = True
+        if messages[-1]["content"]:
+            chat["continue_final_message"] = True
+        else:  # an empty one prefills nothing
+            messages.pop()
     for src, dst in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                      ("top_k", "top_k"), ("stop_sequences", "stop"), ("model", "model")):
         if body.get(src) is not None:

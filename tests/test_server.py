@@ -1165,6 +1165,9 @@ def test_messages_api(server, pipe, monkeypatch):
     assert pipe.tokenizer.decode(ids).endswith("<|user|>Write a haiku about rain<|end|><|assistant|>Rain")
     m = a.messages.create(model="t", system="Be brief.", messages=user + prefilled[-1:], max_tokens=12)
     assert m.content[0].text == solo(pipe, ids, 12) and prompt_tokens(m.usage) == len(ids)
+    empty = a.messages.create(model="t", system="Be brief.", messages=user + [{"role": "assistant", "content": ""}],
+                              max_tokens=12)
+    assert empty.content[0].text == solo(pipe, pipe.encode_messages(MSGS), 12)
     r = client(server).chat.completions.create(model="t", messages=prefilled, max_tokens=12,
                                                extra_body={"continue_final_message": True})
     assert r.choices[0].message.content == m.content[0].text and r.usage.prompt_tokens == len(ids)
