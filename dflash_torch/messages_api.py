@@ -138,6 +138,8 @@ def to_chat(body: dict) -> dict:
                                 "{'type': 'tool', 'name': ...}", "tool_choice")
         chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or {
             "type": "function", "function": {"name": choice["name"]}}
+        if choice.get("disable_parallel_tool_use") is True:
+            chat["parallel_tool_calls"] = False
     return chat
 
 
@@ -170,8 +172,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0}
 
 
-def to_message(out: dict, model: str, single_call: bool = False) -> dict:
-    """A chat.completion answer -> a `message` (`single_call`: at most one tool_use block)."""
+def to_message(out: dict, model: str) -> dict:
+    """A chat.completion answer -> a `message`."""
     choice, u = out["choices"][0], out["usage"]
     msg = choice["message"]
     content = []
@@ -179,8 +181,7 @@ def to_message(out: dict, model: str, single_call: bool = False) -> dict:
         content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
-    calls = (msg.get("tool_calls") or [])[:1 if single_call else None]
-    content += [tool_use(c) for c in calls]
+    content += [tool_use(c) for c in msg.get("tool_calls") or []]
     return {"id": "msg_" + out["id"].split("-", 1)[-1], "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": stop_reason(choice["finish_reason"], choice["stop_reason"]),
             "stop_sequence": choice["stop_reason"],
@@ -195,7 +196,7 @@ def error_body(kind: str, message: str) -> dict:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-async def events(job, model: str, single_call: bool = False) -> AsyncIterator[str]:
+async def events(job, model: str) -> AsyncIterator[str]:
     """The Messages API's server-sent events for one generation (a server `Job`): message_start, a
     thinking block and a text block as their deltas arrive, each tool call as a tool_use block, then
     message_delta (stop reason, usage) and message_stop."""
@@ -246,7 +247,7 @@ async def events(job, model: str, single_call: bool = False) -> AsyncIterator[st
         if open_kind:
             yield close()
         calls = payload.get("tool_calls") or []
-        for call in calls[:1 if single_call else None]:
+        for call in calls:
             block = tool_use(call)
             yield start("tool_use", block | {"input": {}})
             yield sse("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",

@@ -152,6 +152,7 @@ class GenRequest:
     grammar: tuple | str | None = None  # structured output: parse_grammar's, then the compiled grammar
     n: int = 1  # choices
     fit: bool = False  # a max_tokens beyond the context left is cut to it (else: a 400)
+    one_call: bool = False  # parallel_tool_calls false: at most one tool call per reply
 
 
 def parse_common(body: dict, min_tokens: int = 1) -> GenRequest:
@@ -373,9 +374,6 @@ def parse_tools(body: dict) -> list[dict] | None:
                   "{'name': ...}}", "tool_choice")
     if (choice == "required" or named) and tools is None:
         raise bad("'tool_choice' forces a call: give 'tools'", "tool_choice")
-    if body.get("parallel_tool_calls") is False:
-        raise bad("'parallel_tool_calls': false is not supported (the model may call several tools)",
-                  "parallel_tool_calls")
     if tools is None or choice == "none":
         return None
     if not isinstance(tools, list) or not tools:
@@ -596,6 +594,7 @@ class Job:
     tool_calls: list[dict] = field(default_factory=list)
     stop: str | None = None  # the stop string that ended the text
     stop_ids: tuple[int, ...] = ()  # token ids that end it beside the model's own (a fill-in-the-middle's)
+    one_call: bool = False  # GenRequest.one_call
     id: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -913,6 +912,8 @@ class Engine:
                 send(tail, final=True)
             if status == 200 and calls:
                 rest, job.tool_calls = calls.finish()
+                if job.one_call:  # the model wrote several calls, and the client takes one
+                    job.tool_calls = job.tool_calls[:1]
                 if rest:
                     job.emit("delta", rest)
                 if job.tool_calls:
@@ -1300,6 +1301,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             raise bad("'echo' belongs to /v1/completions", "echo")
         req = parse_common(body)
         req.fit = fit
+        req.one_call = not _field(body, "parallel_tool_calls", "bool", True)
         req.logprobs = parse_logprobs(body, "chat")
         messages = parse_messages(body.get("messages"))
         tools = parse_tools(body)
@@ -1348,7 +1350,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
 
         skeleton = {"id": f"resp_{suffix}", "object": "response", "created_at": created, "model": engine.name,
                     "status": "in_progress", "output": [], "tools": body.get("tools") or [],
-                    "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": True,
+                    "tool_choice": body.get("tool_choice", "auto"),
+                    "parallel_tool_calls": body.get("parallel_tool_calls", True),
                     "instructions": body.get("instructions"), "error": None, "incomplete_details": None,
                     "metadata": body.get("metadata") or {}}
         part = {"type": "output_text", "text": "", "annotations": []}
@@ -1434,13 +1437,12 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
     async def messages(request: Request):
         """Anthropic's Messages API through chat completions (`messages_api`)."""
         body, chat = await messages_request(request)
-        single = (body.get("tool_choice") or {}).get("disable_parallel_tool_use") is True
         # Anthropic's clients send a large max_tokens whatever the model (a required field; Claude Code's is
         # 32,000): one beyond a local model's context is cut to what is left, not refused.
         if chat["stream"]:
-            return await chat_answer(request, chat, streamer=lambda job, req: messages_api.events(job, engine.name,
-                                                                                                 single), fit=True)
-        return messages_api.to_message(await chat_answer(request, chat, fit=True), engine.name, single)
+            return await chat_answer(request, chat, streamer=lambda job, req: messages_api.events(job, engine.name),
+                                     fit=True)
+        return messages_api.to_message(await chat_answer(request, chat, fit=True), engine.name)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
@@ -1505,7 +1507,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                 req.sampler, seed=None if req.sampler.seed is None else req.sampler.seed + i)
             job = Job(endpoint, ids, max_tokens, sampler, req.stops, asyncio.get_running_loop(),
                       fastpath=max_tokens <= config.fastpath_max_tokens, tools=tools, logprobs=req.logprobs,
-                      grammar=req.grammar, id=f"{jobs[0].id}-{i}" if jobs else "", stop_ids=stop_ids)
+                      grammar=req.grammar, id=f"{jobs[0].id}-{i}" if jobs else "", stop_ids=stop_ids,
+                      one_call=req.one_call)
             if echo_ids:  # the prompt as given (text), or as its tokens decode
                 job.echo = echo if echo is not None else pipe.decode(ids)
             try:

@@ -1017,6 +1017,19 @@ def test_tool_calls(pipe, monkeypatch):
         rendered = pipe.decode(pipe.encode_messages(parse_messages(history), tools=[WEATHER]))
         assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered
 
+        # parallel_tool_calls false: of two calls the model wrote, the first (streamed or not)
+        script["text"] = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+                          '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+        r = c.chat.completions.create(model="tiny", messages=user, tools=[WEATHER], max_tokens=200)
+        assert [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls] == ["Paris", "Rome"]
+        r = c.chat.completions.create(model="tiny", messages=user, tools=[WEATHER], max_tokens=200,
+                                      parallel_tool_calls=False)
+        assert [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls] == ["Paris"]
+        assert r.choices[0].message.content is None
+        chunks = list(c.chat.completions.create(model="tiny", messages=user, tools=[WEATHER], max_tokens=200,
+                                                parallel_tool_calls=False, stream=True))
+        assert len([tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]) == 1
+
         # a call of an undeclared tool stays text; tool_choice "none" shows no tools and parses nothing
         script["text"] = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
         r = c.chat.completions.create(model="tiny", messages=user, tools=[WEATHER], max_tokens=200)
@@ -1031,7 +1044,7 @@ def test_tool_calls(pipe, monkeypatch):
             return httpx.post(base + "/v1/chat/completions", json={"messages": user, "max_tokens": 5} | body)
 
         for body, param in [({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
-                            ({"tools": [WEATHER], "parallel_tool_calls": False}, "parallel_tool_calls"),
+                            ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
                             ({"tools": [{"type": "function"}]}, "tools[0]"),
                             ({"tools": "get_weather"}, "tools"),
                             ({"messages": user + [{"role": "assistant", "tool_calls": "x"}]}, "messages[1].tool_calls"),
