@@ -425,8 +425,9 @@ def parse_prompt(value) -> str | list[int]:
 # --- the Responses API, on top of chat completions ----------------------------------------------
 
 # Responses fields this adapter does not implement: refused, never silently ignored.
-RESPONSES_UNSUPPORTED = ("previous_response_id", "conversation", "background", "reasoning", "include",
-                         "prompt", "max_tool_calls", "top_logprobs")
+RESPONSES_UNSUPPORTED = ("previous_response_id", "conversation", "background", "include", "prompt",
+                         "max_tool_calls", "top_logprobs")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 
 def responses_to_chat(body: dict) -> dict:
@@ -486,6 +487,14 @@ def responses_to_chat(body: dict) -> dict:
                      ("model", "model"), ("chat_template_kwargs", "chat_template_kwargs")):
         if body.get(src) is not None:
             chat[dst] = body[src]
+    reasoning = _field(body, "reasoning", "object", {})
+    if reasoning.get("summary") not in (None, "auto"):  # auto: the model decides, and these give none
+        raise bad("'reasoning.summary' other than 'auto' is not supported (no summaries are made)", "reasoning")
+    if reasoning.get("effort") is not None:  # to the templates that can switch thinking off (Qwen3's)
+        if reasoning["effort"] not in REASONING_EFFORTS:
+            raise bad(f"'reasoning.effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning")
+        think = {"enable_thinking": reasoning["effort"] not in ("none", "minimal")}
+        chat["chat_template_kwargs"] = think | _field(body, "chat_template_kwargs", "object", {})
     if body.get("tools") is not None:
         tools = body["tools"]
         if not isinstance(tools, list):
@@ -533,7 +542,8 @@ def chat_to_response(out: dict, body: dict) -> dict:
         "text": {"format": {"type": "text"}}, "store": False,
         "usage": {"input_tokens": usage["prompt_tokens"],
                   "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-                  "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                  "output_tokens": usage["completion_tokens"], "output_tokens_details": {
+                      "reasoning_tokens": usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0)},
                   "total_tokens": usage["total_tokens"]},
     }
 
@@ -595,6 +605,7 @@ class Job:
     stop: str | None = None  # the stop string that ended the text
     stop_ids: tuple[int, ...] = ()  # token ids that end it beside the model's own (a fill-in-the-middle's)
     one_call: bool = False  # GenRequest.one_call
+    reasoning_tokens: int = 0  # generated in the think block (its tags included)
     id: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -893,8 +904,11 @@ class Engine:
                     delta = text.add(token)
                     if lp is not None and token not in stops and not text.stopped:
                         held.append(logprob_entry(pipe, token, *lp.entries[job.completion_tokens - 1]))
+                before = splitter is not None and (splitter.inside or not splitter.answering and splitter.pending)
                 if delta:
                     send(delta)
+                if before or splitter is not None and (splitter.inside or not splitter.answering and splitter.pending):
+                    job.reasoning_tokens += 1  # a think block's token: in it, or its tags (held while they may be)
                 m.sync_live(job)
                 if text.stopped or token in stops:
                     finish, job.stop = "stop", text.stop
@@ -945,7 +959,7 @@ class Engine:
             job.emit("done" if status == 200 else "cancelled", {
                 "finish_reason": finish, "prompt_tokens": len(job.prompt_ids),
                 "completion_tokens": job.completion_tokens, "cached_tokens": job.stats.cached_tokens,
-                "tool_calls": job.tool_calls, "stop": job.stop})
+                "tool_calls": job.tool_calls, "stop": job.stop, "reasoning_tokens": job.reasoning_tokens})
         accept = ""
         if job.stats.mode != "target-only":
             accept = f", acceptance {row['acceptance_rate']:.0%} (mean length {row['acceptance_length_mean']:.2f})"
@@ -1551,8 +1565,10 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
     def usage(info: dict, more: list[dict] = ()) -> dict:
         """Usage of one generation (`info`, the "done" payload), plus the completions of other choices."""
         p, c = info["prompt_tokens"], info["completion_tokens"] + sum(m["completion_tokens"] for m in more)
+        thought = info.get("reasoning_tokens", 0) + sum(m.get("reasoning_tokens", 0) for m in more)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": info.get("cached_tokens", 0)}}
+                "prompt_tokens_details": {"cached_tokens": info.get("cached_tokens", 0)},
+                "completion_tokens_details": {"reasoning_tokens": thought}}
 
     async def stream(jobs: list[Job], req: GenRequest) -> AsyncIterator[str]:
         """Server-sent chunks of each choice in turn (chunk "index" = its choice), then usage and [DONE]."""

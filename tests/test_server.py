@@ -27,7 +27,7 @@ import torch
 from dflash_torch import cli
 from dflash_torch.fallback import FallbackController
 from dflash_torch.generate import Pipeline, generate, load
-from dflash_torch.server import ServerConfig, TextStream, create_app, parse_bytes, parse_messages
+from dflash_torch.server import ServerConfig, TextStream, create_app, parse_bytes, parse_messages, responses_to_chat
 from dflash_torch.speculative import generate_tokens
 
 from .conftest import make_drafter, make_hf_model
@@ -1112,7 +1112,17 @@ def test_responses_api(server, pipe, monkeypatch):
     def post(**body):
         return httpx.post(server + "/v1/responses", json={"input": "hi", "max_output_tokens": 4} | body)
 
+    # reasoning effort: thinking on or off, for the templates that read enable_thinking
+    for effort, think in (("minimal", False), ("high", True)):
+        chat = responses_to_chat({"input": "hi", "reasoning": {"effort": effort, "summary": "auto"}})
+        assert chat["chat_template_kwargs"] == {"enable_thinking": think}
+    assert responses_to_chat({"input": "hi", "reasoning": {"effort": "none"}, "chat_template_kwargs": {
+        "enable_thinking": True, "x": 1}})["chat_template_kwargs"] == {"enable_thinking": True, "x": 1}
+    assert c.responses.create(model="tiny", input="hi", max_output_tokens=4, reasoning={"effort": "low"}).output_text
+
     for body, param in [({"stream": "yes"}, "stream"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+                        ({"reasoning": {"effort": "max"}}, "reasoning"), ({"reasoning": {"summary": "detailed"}},
+                                                                          "reasoning"),
                         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content"),
                         ({"tools": [{"type": "web_search"}]}, "tools[0]"), ({"input": []}, "input"),
                         ({"text": {"format": {"type": "json_schema"}}}, "text"),
@@ -1398,6 +1408,8 @@ def test_reasoning_content(pipe, monkeypatch):
         r = c.chat.completions.create(model="t", messages=user, max_tokens=200)
         m = r.choices[0].message
         assert m.content == "It is sunny." and m.model_extra["reasoning_content"] == "\nThe user wants weather.\n"
+        thought = len("<think>\nThe user wants weather.\n</think>")  # one token per character
+        assert r.usage.completion_tokens_details.reasoning_tokens == thought
         chunks = list(c.chat.completions.create(model="t", messages=user, max_tokens=200, stream=True))
         deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
         assert "".join(d.content or "" for d in deltas) == "It is sunny."
@@ -1409,6 +1421,7 @@ def test_reasoning_content(pipe, monkeypatch):
         r = c.responses.create(model="t", input="Weather in Paris?", max_output_tokens=200)
         assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == "It is sunny."
         assert r.output[0].content[0].text == "\nThe user wants weather.\n"
+        assert r.usage.output_tokens_details.reasoning_tokens == thought
         events = list(c.responses.create(model="t", input="Weather in Paris?", max_output_tokens=200, stream=True))
         deltas = [e for e in events if e.type == "response.reasoning_text.delta"]
         assert "".join(e.delta for e in deltas) == "\nThe user wants weather.\n"
@@ -1423,6 +1436,7 @@ def test_reasoning_content(pipe, monkeypatch):
         assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name \
             == "get_weather"
         assert r.choices[0].message.model_extra["reasoning_content"] == "Use the tool."
+        assert r.usage.completion_tokens_details.reasoning_tokens == len("<think>Use the tool.</think>")
         events = list(c.responses.create(model="t", input="Weather in Paris?", tools=[
             {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}],
             max_output_tokens=300, stream=True))
@@ -1432,6 +1446,7 @@ def test_reasoning_content(pipe, monkeypatch):
         r = c.chat.completions.create(model="t", messages=user, max_tokens=200)
         m = r.choices[0].message
         assert m.content == "A plain answer." and "reasoning_content" not in m.model_extra
+        assert r.usage.completion_tokens_details.reasoning_tokens == 0
     script["text"] = "<think>hm</think>ok"
     with serve(pipe, reasoning_parser="none") as base:
         r = client(base).chat.completions.create(model="t", messages=user, max_tokens=200)
