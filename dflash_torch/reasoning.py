@@ -29,6 +29,11 @@ class ReasoningSplitter:
         self.strip = False  # drop the newlines that start the answer
         self.pending = ""  # held back: possibly part of a tag
 
+    @property
+    def in_block(self) -> bool:
+        """In the think block, or holding back what may be its opening tag."""
+        return self.inside or (not self.answering and bool(self.pending))
+
     def feed(self, text: str) -> tuple[str, str]:
         """Reasoning and content to send for this delta."""
         return self._split(self.pending + text, final=False)

@@ -543,7 +543,7 @@ def chat_to_response(out: dict, body: dict) -> dict:
         "usage": {"input_tokens": usage["prompt_tokens"],
                   "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
                   "output_tokens": usage["completion_tokens"], "output_tokens_details": {
-                      "reasoning_tokens": usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0)},
+                      "reasoning_tokens": usage["completion_tokens_details"]["reasoning_tokens"]},
                   "total_tokens": usage["total_tokens"]},
     }
 
@@ -904,11 +904,11 @@ class Engine:
                     delta = text.add(token)
                     if lp is not None and token not in stops and not text.stopped:
                         held.append(logprob_entry(pipe, token, *lp.entries[job.completion_tokens - 1]))
-                before = splitter is not None and (splitter.inside or not splitter.answering and splitter.pending)
+                before = splitter is not None and splitter.in_block
                 if delta:
                     send(delta)
-                if before or splitter is not None and (splitter.inside or not splitter.answering and splitter.pending):
-                    job.reasoning_tokens += 1  # a think block's token: in it, or its tags (held while they may be)
+                if before or splitter is not None and splitter.in_block:
+                    job.reasoning_tokens += 1  # a think block's token: in it, or one of its tags
                 m.sync_live(job)
                 if text.stopped or token in stops:
                     finish, job.stop = "stop", text.stop
