@@ -33,7 +33,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .fallback import FallbackController
     from .generate import Detokenizer, check_lengths, load
     from .prefix_cache import PrefixCache
-    from .quantize import exact_prefill
     from .speculative import Stats, generate_tokens
 
     if args.max_tokens < 1 or (args.prefill_step_size is not None and args.prefill_step_size < 1):
@@ -44,8 +43,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab,
                 draft_window=args.draft_window, draft_sinks=args.draft_sinks)
     pipe._need_tokenizer()  # chat is text: a model without a tokenizer cannot take part
+    # Reuse is exact with quantized weights: `load` makes their prefills attend one query at a time.
     prefix = PrefixCache()
-    exact_prefill(pipe.target)  # quantized weights: reused keys/values are exactly a cold prefill's
     use_draft = pipe.drafter is not None and not args.no_draft
     lookup = use_draft if args.lookup is None else args.lookup
     system = [{"role": "system", "content": args.system}] if args.system else []

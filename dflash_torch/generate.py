@@ -58,6 +58,8 @@ class Pipeline:
     dtype: torch.dtype = torch.float32
     quantize: str | None = None  # "int8" / "int4": the target's and drafter's linear layers, weight-only
     lm_head: str | None = None  # the target's LM head: "int8" / "int4", None = as loaded
+    # The target's prefills attend one query at a time (set by `load` for quantized targets, see there)
+    exact_prefill: bool = False
 
     @property
     def max_context(self) -> int:
@@ -152,8 +154,16 @@ def load(
     draft logits come from those rows of the LM head (False: the whole head). draft_window: the drafter
     attends to its first `draft_sinks` and last `draft_window` context positions (0: all of them; None:
     the drafter's own setting, `dflash_config.draft_window`, else all; only the proposals change). The
-    performance switches
-    live here, and none changes greedy output.
+    performance switches live here, and none changes greedy output.
+
+    How a prompt is run is decided here, once, for every entry point (`dflash generate`, `chat`,
+    `serve`, `bench` and this API all load through this function): a quantized target's prefills attend
+    one query at a time (`quantize.exact_prefill`, `Pipeline.exact_prefill`), as its verify passes
+    and decode steps do. Every position is then computed exactly as a decode step computes it, whatever
+    the pass it is in, so a cold prefill, a prefill in chunks (`prefill_chunk`) and a prefill that
+    continues a prefix cache's keys and values give the same bits, and a request gives the same tokens
+    from every entry point. (Fused prefill attention rounds differently from decode steps; bfloat16
+    activations turn that into flipped near-tie tokens.) Float32 targets keep the fused prefill.
     """
     dev = loading.pick_device(device)
     dt = loading.pick_dtype(dtype, dev)
@@ -179,6 +189,11 @@ def load(
 
         quantizer = quantize_int4 if quantize == "int4" else quantize_int8
         quantizer(target, head=head)
+    from .quantize import exact_prefill
+
+    # Every target, not only those quantized above: it acts wherever a quantizer marked the layers
+    # (exact_verify), and is a no-op on a float target. Before the CUDA-graph wrapper, on the layers.
+    exact = exact_prefill(target)
     if cuda_graphs:
         from .cudagraph import GraphedTarget
 
@@ -189,6 +204,7 @@ def load(
     pipe = Pipeline(
         target=target, tokenizer=tokenizer, stop_token_ids=loading.stop_token_ids(path, tokenizer),
         model_path=path, name=name, device=dev, dtype=dt, quantize=quantize, lm_head=head if quantize else None,
+        exact_prefill=exact,
     )
     draft_spec = registry.drafter_for(name, config) if draft == "auto" else draft
     if draft == "auto" and draft_spec is None and not quiet:

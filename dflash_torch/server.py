@@ -35,7 +35,6 @@ from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
 from .fallback import FallbackController
 from .generate import Detokenizer, Pipeline, check_lengths, load, prompt_logprobs
 from .prefix_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DiskStore, PrefixCache
-from .quantize import exact_prefill
 from .reasoning import ReasoningSplitter, has_think_tags, starts_inside
 from .sampling import Sampler, TokenLogprobs
 from .speculative import Stats, generate_tokens
@@ -679,7 +678,6 @@ class Engine:
             disk = (DiskStore(config.prefix_cache_l2_dir, config.prefix_cache_l2_max_bytes)
                     if config.prefix_cache_l2_dir else None)
             self.prefix = PrefixCache(config.prefix_cache_max_entries, config.prefix_cache_max_bytes, disk)
-        self.exact_prefill = False
         self.stopping = False
         self.metrics = Metrics(self)
         self.thread = threading.Thread(target=self._main, name="dflash-worker", daemon=True)
@@ -762,10 +760,6 @@ class Engine:
             if self.on_load_error:
                 self.on_load_error(e)
             return
-        if self.prefix is not None and exact_prefill(pipe.target):
-            # quantized weights: prefills attend one query at a time like decode steps, so what a later
-            # request reuses from the prefix cache is bit for bit what a cold prefill would compute
-            self.exact_prefill = True
         c = self.config
         if c.adaptive and c.fallback and c.block_size is None and pipe.drafter is not None:
             # seconds per cycle by block size, measured before the server reports ready (not in the
@@ -810,8 +804,6 @@ class Engine:
             if self.prefix.disk is not None:
                 gib = c.prefix_cache_l2_max_bytes / 2**30
                 prefix += f", then up to {gib:.1f} GiB of files in {self.prefix.disk.dir}"
-            if self.exact_prefill:
-                prefix += ", prefills one query at a time (exact reuse with quantized weights)"
         log.info("dflash serve: model %s (%s), context %d tokens", p.name, p.model_path, p.max_context)
         adaptive = "off"
         if self.adaptive is not None:  # its costs are still the calibration's here
@@ -819,8 +811,11 @@ class Engine:
                 f"{b}: {t * 1e3:.1f}" for b, t in sorted(self.adaptive.costs.items())) + ")"
         log.info("dflash serve: drafter %s; fallback %s; adaptive block size %s; fastpath %s", drafter,
                  "on" if c.fallback and p.drafter else "off", adaptive, fastpath)
-        log.info("dflash serve: device %s, dtype %s, weights %s, queue %d, prefix cache %s", p.device,
-                 str(p.dtype).removeprefix("torch."), _weights(p), c.max_queue, prefix)
+        # How prompts run is `load`'s decision, the same for every entry point (generate.load)
+        prefill = ("one query at a time, as decode steps (exact prefix reuse, the same tokens as dflash generate)"
+                   if getattr(p, "exact_prefill", False) else "fused")
+        log.info("dflash serve: device %s, dtype %s, weights %s, prefill %s, queue %d, prefix cache %s", p.device,
+                 str(p.dtype).removeprefix("torch."), _weights(p), prefill, c.max_queue, prefix)
         log.info("dflash serve: reasoning parser %s", "<think> ... </think> -> reasoning_content" if self.reasoning
                  else f"off ({'no <think> tokens in the tokenizer' if c.reasoning_parser == 'auto' else 'none'})")
         log.info("dflash serve: ready on http://%s:%d (OpenAI API under /v1, Anthropic's /v1/messages; /health, "

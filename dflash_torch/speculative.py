@@ -379,7 +379,14 @@ def _prefill(target, prompt: list[int], capacity: int, taps, session: Session | 
 
 def _run_prompt(target, tokens: list[int], cache, taps, chunk: int | None, device):
     """`tokens` through the target in passes of at most `chunk` (None: one pass) -> the logits [1, V] at
-    the last one, and the tap features [1, T, F] (None without taps)."""
+    the last one, and the tap features [1, T, F] (None without taps).
+
+    The passes take whatever form the target is set to: `generate.load` makes a quantized target's
+    prefills attend one query at a time, and its linear kernels give each row the same bits for any
+    number of rows, so any chunking (and a prefix cache's reused part) gives the one-pass prefill's
+    logits, features and keys/values bit for bit (tests/test_entry_points.py, tests/test_prefix_cache.py).
+    A float32 target's fused passes of other widths round differently (~1e-6), which can flip a
+    near-tie token; float32 activations keep that rare, but it is not excluded."""
     step = chunk or len(tokens)
     features = []
     for i in range(0, len(tokens), step):
