@@ -100,3 +100,20 @@ def small_vocab(tmp_path_factory):
         target.lm_head.weight.mul_(0.1)
     drafter = load_drafter(make_drafter(path, base / "d", block_size=4, seed=3))
     return target, drafter
+
+
+# One rounding to a floating-point format moves a value by at most half a step, a step being 2^-(mantissa bits)
+# of the value's magnitude: bfloat16 keeps 8 significant bits, float32 24. Tolerances below are counted in
+# these steps (of a stated magnitude) times the roundings that can differ, never tuned to one machine.
+BF16_STEP = 2.0**-8
+F32_STEP = 2.0**-24
+
+
+def within_steps(got: torch.Tensor, want: torch.Tensor, scale, roundings: float, step: float = BF16_STEP) -> bool:
+    """Whether |got - want| <= roundings * step * scale everywhere (scale broadcasts against want)."""
+    return bool(((got.float() - want.float()).abs() <= roundings * step * scale).all())
+
+
+def assert_within_steps(got, want, scale, roundings: float, step: float = BF16_STEP) -> None:
+    diff = ((got.float() - want.float()).abs() / (step * scale)).max().item()
+    assert within_steps(got, want, scale, roundings, step), f"off by {diff:.2f} steps, {roundings} allowed"
