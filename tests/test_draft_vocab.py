@@ -31,6 +31,7 @@ def _run(target, prompt, n, drafter=None, bs=None):
     return list(generate_tokens(target, prompt, max_new_tokens=n, drafter=drafter, block_size=bs, stats=stats)), stats
 
 
+@pytest.mark.fastpath
 def test_restricted_logits_are_the_head_rows(llama_pair):
     """Float, int8 and int4 heads: the draft vocabulary's logits are the full head's on those rows
     (int8 exactly; int4 re-packs its dequantized rows), -inf elsewhere."""

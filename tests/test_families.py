@@ -399,6 +399,7 @@ def test_moe_and_bidirectional_configs_are_refused():
         gemma4.from_config(dict(GEMMA4, model_type="gemma4_text", use_bidirectional_attention="all"))
 
 
+@pytest.mark.fastpath
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 @pytest.mark.parametrize("name", ["qwen3_5", "gemma4", "gemma3"])
 def test_fused_mlp_changes_nothing(families, name, quant):
@@ -429,6 +430,7 @@ def test_cuda_graphs_refuse_other_families(families):
             GraphedTarget(families[name][2], use_graphs=False)
 
 
+@pytest.mark.fastpath
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe"])
 def test_moe_quantized_speculation_is_exact(families, name, tmp_path):
     """int4 weights on an MoE target (the shared expert and attention quantized, the experts as loaded):

@@ -33,6 +33,7 @@ def pair(tiny_models, tmp_path_factory):
     return path, d
 
 
+@pytest.mark.fastpath
 def test_int8_linear_matches_dequantized_weights():
     lin = torch.nn.Linear(64, 96, bias=True)
     q = Int8Linear(lin)
@@ -44,6 +45,7 @@ def test_int8_linear_matches_dequantized_weights():
     assert (q.weight - lin.weight).abs().max() <= lin.weight.abs().max() / 127  # rounding error bound
 
 
+@pytest.mark.fastpath
 def test_int4_linear_matches_dequantized_weights():
     torch.manual_seed(0)
     lin = torch.nn.Linear(128, 48, bias=True)
@@ -61,6 +63,7 @@ def test_int4_linear_matches_dequantized_weights():
     assert (err <= step / 2 + lin.weight.abs().max() / 128).all()  # half a step, plus bf16 rounding
 
 
+@pytest.mark.fastpath
 def test_int8_keeps_layers_the_kernel_cannot_take():
     """The CPU int8 kernel reads past the input for in_features not a multiple of 16 (a crash at 8)."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 64))
@@ -74,6 +77,7 @@ def test_int8_keeps_layers_the_kernel_cannot_take():
     assert torch.isfinite(direct(torch.randn(2, 8))).all()
 
 
+@pytest.mark.fastpath
 def test_int4_keeps_layers_the_kernel_cannot_take():
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 40), torch.nn.Linear(40, 64))
     quantize_int4(model)
@@ -84,6 +88,7 @@ def test_int4_keeps_layers_the_kernel_cannot_take():
             quantize(torch.nn.Sequential(torch.nn.Linear(64, 32)), head="int2")
 
 
+@pytest.mark.fastpath
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quant", [None, "int8", "int4", "int4+int8 head", "int4+full head"])
 def test_switches_keep_speculative_equal_to_target_only(pair, dtype, quant):
@@ -120,6 +125,7 @@ def test_switches_keep_speculative_equal_to_target_only(pair, dtype, quant):
     assert checked == 6
 
 
+@pytest.mark.fastpath
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantize_covers_the_drafter_and_keeps_output(pair, quant):
     """`load(quantize=...)` quantizes the drafter's layers too (fewer bytes per draft pass); its
@@ -221,6 +227,7 @@ def test_calibrate_measures_each_block_size(pair, monkeypatch):
     assert sorted(profile_pipeline(pipe, [2, 4], context=40, repeats=1)["draft_s"]) == [2, 4]
 
 
+@pytest.mark.fastpath
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_fused_projections_change_nothing(tiny_models, kind, quant):
@@ -250,6 +257,7 @@ def test_fused_projections_change_nothing(tiny_models, kind, quant):
         assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
 
 
+@pytest.mark.fastpath
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_verify_reproduces_decode_bit_for_bit(tiny_models, pair, quant):
     """With quantized weights a T-token verify gives exactly the logits of T decode steps, so
@@ -400,6 +408,7 @@ def _decode_run(target, prompt: list[int], steps: int, taps=(2, 0, 1)):
     return out, c
 
 
+@pytest.mark.fastpath
 @pytest.mark.parametrize("quant", [None, "bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_flat_decode_step_equals_module_path(tiny_models, kind, quant):
@@ -422,6 +431,7 @@ def test_flat_decode_step_equals_module_path(tiny_models, kind, quant):
             assert torch.equal(c1.k, c2.k) and torch.equal(c1.v, c2.v) and c1.length == c2.length
 
 
+@pytest.mark.fastpath
 def test_flat_decode_follows_replaced_layers_and_windows(tiny_models):
     """The flat path looks its layers up once; quantizing or converting afterwards rebuilds that (same
     results as a model quantized before its first step), and a sliding window past its reach takes the
@@ -462,6 +472,7 @@ def test_flat_decode_follows_replaced_layers_and_windows(tiny_models):
         assert not all(torch.equal(a, b) for a, b in zip(runs[0], free))
 
 
+@pytest.mark.fastpath
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_flat_verify_and_exact_prefill_equal_module_path(tiny_models, kind, quant, monkeypatch):
@@ -498,6 +509,7 @@ def test_flat_verify_and_exact_prefill_equal_module_path(tiny_models, kind, quan
     assert 7 in widths and 16 in widths and 40 in widths  # verify passes, and the exact prefill, went flat
 
 
+@pytest.mark.fastpath
 def test_flat_path_falls_back_without_torchscript_or_for_unknown_layers(tiny_models, monkeypatch):
     """Where TorchScript cannot compile the flat layers they run in Python, and a layer type the flat path
     does not know sends decode steps through the layer modules: a warning each, the same tokens."""
@@ -529,6 +541,7 @@ def test_flat_path_falls_back_without_torchscript_or_for_unknown_layers(tiny_mod
         assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
+@pytest.mark.fastpath
 @pytest.mark.parametrize("quant", [None, "bfloat16", "int8", "int4"])
 def test_flat_draft_pass_equals_module_path(pair, quant):
     """Draft passes go through drafter.FlatDraft (in Python and compiled by TorchScript): logits and the
@@ -565,6 +578,7 @@ def test_flat_draft_pass_equals_module_path(pair, quant):
             assert torch.equal(c1.v[:, :, :, :23], c2.v[:, :, :, :23])
 
 
+@pytest.mark.fastpath
 @pytest.mark.parametrize("quant", [None, "int4"])
 def test_draft_window_attends_sinks_and_recent_positions(pair, quant, monkeypatch):
     """A windowed drafter (set_window) proposes what the whole-context drafter proposes when the positions

@@ -210,6 +210,7 @@ def test_logprobs_equal_target_only(models_and_drafters):
                         assert ids[0] == ids0[0] and len(ids) == 4
 
 
+@pytest.mark.fastpath
 def test_logprobs_bit_exact_with_quantized_weights(tiny_models):
     """With int4 weights a verify pass reproduces decode steps bit for bit, and so do the logprobs."""
     from dflash_torch.quantize import quantize_int4
@@ -268,6 +269,7 @@ def test_penalties_keep_speculative_greedy_equal_to_target_only(models_and_draft
     assert changed >= 8  # the penalties do change what greedy decoding picks
 
 
+@pytest.mark.fastpath
 def test_penalties_bit_exact_with_quantized_weights(tiny_models):
     from dflash_torch.quantize import quantize_int4
 

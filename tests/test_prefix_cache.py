@@ -177,6 +177,7 @@ def test_entries_bytes_and_failures(targets):
         PrefixCache(max_entries=0)
 
 
+@pytest.mark.fastpath
 @torch.inference_mode()
 def test_quantized_reuse_is_bit_exact_with_exact_prefill(tiny_models, tmp_path):
     """int4 weights (bfloat16 activations magnify rounding differences into different tokens): with
@@ -340,6 +341,7 @@ def test_a_shared_beginning_does_not_cost_the_conversation_its_cache(targets):
         assert stats.cached_tokens == len(a) + len(reply) - 1, name
 
 
+@pytest.mark.fastpath
 @torch.inference_mode()
 def test_chunked_prefill(targets, tiny_models):
     """A prompt run in passes of a few tokens (--prefill-step-size) gives the one-pass prefill's logits and
