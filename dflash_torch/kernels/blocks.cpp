@@ -1,0 +1,379 @@
+// Block-quantized matmul for CPUs: y[M, N] = x[M, K] @ W^T, W in GGUF's Q4_0 / Q4_1 / Q8_0 blocks of
+// 32 values, x quantized per row into 8-bit blocks of 32 with one float scale each (q8_0 activations).
+//
+// Why it exists: verifying a drafted block runs the target on 2-16 rows at once, and lossless greedy
+// decoding needs each row's result to be the same whether it is computed alone (a decode step) or among
+// other rows (a verify pass). Every row here is computed by the same sequence of operations whatever the
+// number of rows: its activations are quantized from its own values only, each block's dot product is
+// an exact integer, and the float sum over blocks runs in block order with separate (unfused) multiplies
+// and adds:
+//
+//     acc = 0;  for b in blocks:  acc = acc + float(isum_b) * (dx_b * dw_b)      [Q4_1: + mw_b * (dx_b * sx_b)]
+//
+// where isum_b is sum(qx * qw) over the block (Q4_0: qw = nibble - 8), sx_b = sum(qx). The AVX2, the
+// VNNI and the scalar paths compute exactly these operations, so they agree bit for bit with each other
+// and with the PyTorch reference (reference.py); tests/test_kernels.py checks it. The file is compiled
+// with -ffp-contract=off so that no multiply-add is fused behind our back.
+//
+// Weights are repacked once (pack.py) from GGUF's block rows into groups of 8 output columns: for each
+// group and block, the 8 fp16 scales (Q4_1: then the 8 fp16 minimums), then the 8 columns' quants
+// exactly as GGUF stores them (Q4: 16 bytes, element j in the low nibble of byte j and j + 16 in its
+// high nibble; Q8: 32 signed bytes). Each weight block is unpacked once per call for up to TILE_ROWS
+// rows; threads split the column groups.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define DFLASH_X86 1
+#endif
+
+namespace {
+
+enum Format : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+constexpr int QK = 32;          // values per block
+constexpr int GROUP = 8;        // output columns per packed group
+constexpr int TILE_ROWS = 64;   // rows that share one unpacking of a weight block
+
+inline int64_t group_bytes(int64_t fmt) {  // bytes of one (group, block) record
+  return fmt == Q4_0 ? 2 * GROUP + 16 * GROUP : fmt == Q4_1 ? 4 * GROUP + 16 * GROUP : 2 * GROUP + 32 * GROUP;
+}
+
+inline float half_to_float(uint16_t h) {  // exact
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400)) { man <<= 1; exp--; }
+      bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000 | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// ---- activations: one row's blocks -> int8 quants, a float scale and the quants' sum per block ----
+
+void quantize_row_scalar(const float* x, int64_t k, int8_t* q, float* d, int32_t* s) {
+  for (int64_t b = 0; b < k / QK; b++) {
+    const float* xb = x + b * QK;
+    float amax = 0.f;
+    for (int i = 0; i < QK; i++) amax = std::fmax(amax, std::fabs(xb[i]));
+    const float db = amax / 127.f;
+    const float id = db != 0.f ? 1.f / db : 0.f;
+    int32_t sum = 0;
+    for (int i = 0; i < QK; i++) {
+      float v = std::nearbyint(xb[i] * id);  // round half to even, as the vector paths and torch.round
+      v = std::fmin(127.f, std::fmax(-127.f, v));
+      q[b * QK + i] = (int8_t)v;
+      sum += (int32_t)v;
+    }
+    d[b] = db;
+    s[b] = sum;
+  }
+}
+
+#ifdef DFLASH_X86
+__attribute__((target("avx2,fma,f16c"))) void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d,
+                                                                int32_t* s) {
+  const __m256 sign = _mm256_set1_ps(-0.f), lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
+  for (int64_t b = 0; b < k / QK; b++) {
+    const float* xb = x + b * QK;
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+      v[j] = _mm256_loadu_ps(xb + 8 * j);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);  // max is exact: the order does not matter
+    const float db = amax / 127.f;
+    const float id = db != 0.f ? 1.f / db : 0.f;
+    const __m256 idv = _mm256_set1_ps(id);
+    __m256i acc = _mm256_setzero_si256();
+    int32_t qi[QK];
+    for (int j = 0; j < 4; j++) {
+      __m256 r = _mm256_round_ps(_mm256_mul_ps(v[j], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      r = _mm256_min_ps(lim, _mm256_max_ps(nlim, r));
+      __m256i iv = _mm256_cvtps_epi32(r);
+      acc = _mm256_add_epi32(acc, iv);
+      _mm256_storeu_si256((__m256i*)(qi + 8 * j), iv);
+    }
+    for (int i = 0; i < QK; i++) q[b * QK + i] = (int8_t)qi[i];
+    __m128i a4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    a4 = _mm_add_epi32(a4, _mm_shuffle_epi32(a4, 0x4e));
+    a4 = _mm_add_epi32(a4, _mm_shuffle_epi32(a4, 0xb1));
+    d[b] = db;
+    s[b] = _mm_cvtsi128_si32(a4);
+  }
+}
+#endif
+
+// ---- the scalar twin: exact integer block sums, then the float steps of the vector paths ----
+
+struct Rows {  // quantized activations of the rows of one tile
+  const int8_t* q;   // [rows, K]
+  const float* d;    // [rows, nb]
+  const int32_t* s;  // [rows, nb]
+  int64_t k, nb;
+};
+
+void tile_scalar(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
+  // acc [r1 - r0, GROUP] accumulates the tile's rows for one column group
+  const int64_t gb = group_bytes(fmt);
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* rec = w + b * gb;
+    const uint16_t* hd = (const uint16_t*)rec;
+    float dw[GROUP], mw[GROUP];
+    for (int c = 0; c < GROUP; c++) dw[c] = half_to_float(hd[c]);
+    if (fmt == Q4_1)
+      for (int c = 0; c < GROUP; c++) mw[c] = half_to_float(hd[GROUP + c]);
+    const uint8_t* qs = rec + (fmt == Q4_1 ? 4 : 2) * GROUP;
+    int8_t wq[GROUP][QK];  // the columns' quants (Q4: nibbles 0..15, unsigned)
+    for (int c = 0; c < GROUP; c++) {
+      if (fmt == Q8_0) {
+        std::memcpy(wq[c], qs + c * QK, QK);
+      } else {
+        for (int j = 0; j < 16; j++) {
+          wq[c][j] = (int8_t)(qs[c * 16 + j] & 0x0f);
+          wq[c][j + 16] = (int8_t)(qs[c * 16 + j] >> 4);
+        }
+      }
+    }
+    for (int64_t r = r0; r < r1; r++) {
+      const int8_t* xq = x.q + r * x.k + b * QK;
+      const float dx = x.d[r * x.nb + b];
+      const int32_t sx = x.s[r * x.nb + b];
+      float* a = acc + (r - r0) * GROUP;
+      for (int c = 0; c < GROUP; c++) {
+        int32_t isum = 0;
+        for (int i = 0; i < QK; i++) isum += (int32_t)xq[i] * (int32_t)wq[c][i];
+        if (fmt == Q4_0) isum -= 8 * sx;
+        const float dd = dx * dw[c];
+        a[c] = a[c] + (float)isum * dd;
+        if (fmt == Q4_1) a[c] = a[c] + mw[c] * (dx * (float)sx);
+      }
+    }
+  }
+}
+
+#ifdef DFLASH_X86
+// The vector paths: one __m256i of 8 int32 partial sums per column, reduced to the 8 columns' exact block
+// sums by a tree of horizontal adds (integer adds: any order gives the same sum).
+#define DFLASH_REDUCE8(v, out)                                                               \
+  do {                                                                                       \
+    __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);        \
+    __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);        \
+    __m256i h03 = _mm256_hadd_epi32(h01, h23), h47 = _mm256_hadd_epi32(h45, h67);            \
+    out = _mm256_add_epi32(_mm256_permute2x128_si256(h03, h47, 0x20),                         \
+                           _mm256_permute2x128_si256(h03, h47, 0x31));                        \
+  } while (0)
+
+#define DFLASH_TILE_BODY(DOT4, DOT8)                                                                   \
+  const int64_t gb = group_bytes(fmt);                                                                 \
+  const __m256i low = _mm256_set1_epi8(0x0f);                                                          \
+  for (int64_t b = 0; b < nb; b++) {                                                                   \
+    const uint8_t* rec = w + b * gb;                                                                   \
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));                           \
+    const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16)))      \
+                                  : _mm256_setzero_ps();                                               \
+    const uint8_t* qs = rec + (fmt == Q4_1 ? 4 : 2) * GROUP;                                           \
+    __m256i wv[GROUP];                                                                                 \
+    for (int c = 0; c < GROUP; c++) {                                                                  \
+      if (fmt == Q8_0) {                                                                               \
+        wv[c] = _mm256_loadu_si256((const __m256i*)(qs + c * QK));                                     \
+      } else {                                                                                         \
+        __m128i p = _mm_loadu_si128((const __m128i*)(qs + c * 16));                                    \
+        __m256i both = _mm256_set_m128i(_mm_srli_epi16(p, 4), p);                                      \
+        wv[c] = _mm256_and_si256(both, low); /* elements 0..15, then 16..31 */                        \
+      }                                                                                                \
+    }                                                                                                  \
+    for (int64_t r = r0; r < r1; r++) {                                                                \
+      const __m256i xv = _mm256_loadu_si256((const __m256i*)(x.q + r * x.k + b * QK));                 \
+      const float dx = x.d[r * x.nb + b];                                                              \
+      const int32_t sx = x.s[r * x.nb + b];                                                            \
+      __m256i v[GROUP], isum;                                                                          \
+      if (fmt == Q8_0) {                                                                               \
+        for (int c = 0; c < GROUP; c++) v[c] = DOT8(wv[c], xv);                                        \
+      } else {                                                                                         \
+        for (int c = 0; c < GROUP; c++) v[c] = DOT4(wv[c], xv);                                        \
+      }                                                                                                \
+      DFLASH_REDUCE8(v, isum);                                                                         \
+      if (fmt == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * sx));                      \
+      float* a = acc + (r - r0) * GROUP;                                                               \
+      const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(dx), dw);                                         \
+      __m256 av = _mm256_add_ps(_mm256_loadu_ps(a), _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dd));      \
+      if (fmt == Q4_1) av = _mm256_add_ps(av, _mm256_mul_ps(mw, _mm256_set1_ps(dx * (float)sx)));      \
+      _mm256_storeu_ps(a, av);                                                                         \
+    }                                                                                                  \
+  }
+
+// AVX2: unsigned x signed bytes -> int16 pairs (maddubs; at most 2 * 127 * 127, no saturation since the
+// activations stay in [-127, 127]) -> int32 quads (madd with ones). Q8 weights are signed: |w| times x
+// with w's sign (sign_epi8), the usual trick.
+__attribute__((target("avx2,fma,f16c"))) inline __m256i dot4_avx2(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256i dot8_avx2(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
+                           _mm256_set1_epi16(1));
+}
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x,
+                                                        int64_t r0, int64_t r1, float* acc) {
+  DFLASH_TILE_BODY(dot4_avx2, dot8_avx2)
+}
+
+// AVX-512 VNNI (on 256-bit registers): unsigned x signed bytes straight into int32 quads.
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) inline __m256i dot4_vnni(__m256i w,
+                                                                                                       __m256i x) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+}
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) inline __m256i dot8_vnni(__m256i w,
+                                                                                                       __m256i x) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+}
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) void tile_vnni(
+    int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
+  DFLASH_TILE_BODY(dot4_vnni, dot8_vnni)
+}
+#endif
+
+// ---- dispatch ----
+
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, VNNI = 2 };
+
+int64_t detect_isa() {
+#ifdef DFLASH_X86
+  // ATEN_CPU_CAPABILITY caps PyTorch's own kernels (avx2, default = no vectors); it caps ours alike, so
+  // one variable runs a whole pass on the kernels of a smaller CPU
+  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+  if (cap && std::strcmp(cap, "default") == 0) return SCALAR;
+  const bool avx2_cap = cap && std::strcmp(cap, "avx2") == 0;
+  __builtin_cpu_init();
+  if (avx2_cap) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? AVX2 : SCALAR;
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return VNNI;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return AVX2;
+#endif
+  return SCALAR;
+}
+
+int64_t best_isa() {  // read once: the CPU and the environment do not change under a process
+  static const int64_t isa = detect_isa();
+  return isa;
+}
+
+int64_t resolve(int64_t isa) {  // -1: the best this CPU has; asking for more than it has is an error
+  const int64_t best = best_isa();
+  if (isa < 0) return best;
+  TORCH_CHECK(isa <= best, "dflash block kernels: this CPU lacks instruction set ", isa, " (best: ", best, ")");
+  return isa;
+}
+
+void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* d, int32_t* s, int64_t isa) {
+  const int64_t nb = k / QK;
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+#ifdef DFLASH_X86
+      if (isa >= AVX2) {
+        quantize_row_avx2(x + r * k, k, q + r * k, d + r * nb, s + r * nb);
+        continue;
+      }
+#endif
+      quantize_row_scalar(x + r * k, k, q + r * k, d + r * nb, s + r * nb);
+    }
+  });
+}
+
+void check_packed(const torch::Tensor& packed, int64_t fmt, int64_t n, int64_t k) {
+  TORCH_CHECK(fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0, "unknown block format ", fmt);
+  TORCH_CHECK(k % QK == 0, "in_features must be a multiple of 32, got ", k);
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.device().is_cpu(),
+              "packed weights must be a contiguous CPU uint8 tensor");
+  const int64_t groups = (n + GROUP - 1) / GROUP;
+  TORCH_CHECK(packed.numel() == groups * (k / QK) * group_bytes(fmt), "packed weights hold ", packed.numel(),
+              " bytes, a ", n, "x", k, " matrix needs ", groups * (k / QK) * group_bytes(fmt));
+}
+
+// y [M, N] = x [M, K] @ W^T
+torch::Tensor block_mm(const torch::Tensor& x_in, const torch::Tensor& packed, int64_t fmt, int64_t n,
+                       int64_t isa) {
+  TORCH_CHECK(x_in.dim() == 2, "block_mm takes x [M, K]");
+  const int64_t m = x_in.size(0), k = x_in.size(1), nb = k / QK;
+  check_packed(packed, fmt, n, k);
+  isa = resolve(isa);
+  torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
+  auto q = torch::empty({m, k}, torch::kInt8);
+  auto d = torch::empty({m, nb}, torch::kFloat32);
+  auto s = torch::empty({m, nb}, torch::kInt32);
+  quantize_rows(x.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), isa);
+  const Rows rows{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), k, nb};
+  auto y = torch::empty({m, n}, torch::kFloat32);
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int64_t groups = (n + GROUP - 1) / GROUP, gstride = nb * group_bytes(fmt);
+  for (int64_t t0 = 0; t0 < m; t0 += TILE_ROWS) {
+    const int64_t t1 = std::min(m, t0 + TILE_ROWS);
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      float acc[TILE_ROWS * GROUP];
+      for (int64_t g = g0; g < g1; g++) {
+        std::memset(acc, 0, sizeof(float) * (t1 - t0) * GROUP);
+        const uint8_t* wg = wp + g * gstride;
+#ifdef DFLASH_X86
+        if (isa == VNNI)
+          tile_vnni(fmt, wg, nb, rows, t0, t1, acc);
+        else if (isa == AVX2)
+          tile_avx2(fmt, wg, nb, rows, t0, t1, acc);
+        else
+#endif
+          tile_scalar(fmt, wg, nb, rows, t0, t1, acc);
+        const int64_t cols = std::min<int64_t>(GROUP, n - g * GROUP);
+        for (int64_t r = t0; r < t1; r++)
+          std::memcpy(yp + r * n + g * GROUP, acc + (r - t0) * GROUP, sizeof(float) * cols);
+      }
+    });
+  }
+  return y;
+}
+
+// The activation quantization alone (for the reference's tests): (q [M, K] int8, d [M, nb], s [M, nb]).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_act(const torch::Tensor& x_in, int64_t isa) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % QK == 0, "quantize_act takes x [M, K], K a multiple of 32");
+  isa = resolve(isa);
+  const int64_t m = x_in.size(0), k = x_in.size(1), nb = k / QK;
+  torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
+  auto q = torch::empty({m, k}, torch::kInt8);
+  auto d = torch::empty({m, nb}, torch::kFloat32);
+  auto s = torch::empty({m, nb}, torch::kInt32);
+  quantize_rows(x.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), isa);
+  return {q, d, s};
+}
+
+int64_t isa_available() { return best_isa(); }
+
+}  // namespace
+
+TORCH_LIBRARY(dflash, m) {
+  m.def("block_mm(Tensor x, Tensor packed, int fmt, int n, int isa=-1) -> Tensor");
+  m.def("quantize_act(Tensor x, int isa=-1) -> (Tensor, Tensor, Tensor)");
+  m.def("best_isa", &isa_available);
+  m.impl("block_mm", torch::kCPU, &block_mm);
+  m.impl("quantize_act", torch::kCPU, &quantize_act);
+}

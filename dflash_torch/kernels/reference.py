@@ -1,0 +1,42 @@
+"""The block kernels' arithmetic in plain PyTorch: the same integers and the same float steps as
+blocks.cpp, so its results equal the compiled kernels' bit for bit (tests/test_kernels.py). Slow; it is
+the definition the fast paths are held to, and the fallback where no C++ compiler is at hand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .pack import FORMATS, QK, fields, unpack
+
+
+def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (quants [M, K] int8, scales [M, K/32] float32, quant sums [M, K/32] int32):
+    per block of 32, d = max|x| / 127 and q = round(x / d) (half to even), computed as x * (1 / d)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // QK, QK)
+    amax = xb.abs().amax(-1)  # [M, nb]
+    d = amax / torch.full_like(amax, 127.0)  # a tensor divisor: a true division, as the C++ one
+    inv = torch.where(d != 0, torch.ones_like(d) / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    return q.to(torch.int8).reshape(m, k), d, q.sum(-1).to(torch.int32)
+
+
+def block_mm(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, isa: int = -1) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T for W packed by `pack.pack` in format FORMATS[fmt] (`isa` is ignored)."""
+    name = FORMATS[fmt]
+    m, k = x.shape
+    nb = k // QK
+    wq, dw, mw = fields(unpack(packed, name, n, k), name)  # [N, nb, 32], [N, nb], [N, nb]
+    q, dx, sx = quantize_act(x)
+    # exact integer block sums, in int64 and bounded by 32 * 127 * 127
+    isum = torch.einsum("mbi,nbi->mnb", q.reshape(m, nb, QK).long(), wq.long())  # [M, N, nb]
+    if name == "q4_0":
+        isum = isum - 8 * sx.long()[:, None, :]
+    isum = isum.float()  # exact: |isum| < 2**24
+    acc = torch.zeros(m, n)
+    for b in range(nb):  # in block order, each step rounded as the C++ loop rounds it
+        acc = acc + isum[:, :, b] * (dx[:, b, None] * dw[None, :, b])
+        if name == "q4_1":
+            acc = acc + mw[None, :, b] * (dx[:, b] * sx[:, b].float())[:, None]
+    return acc

@@ -1,0 +1,201 @@
+"""The block kernels (dflash_torch/kernels): every compiled path equals the PyTorch reference bit for bit,
+each row's result is independent of the other rows, and the blocks are GGUF's own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dflash_torch import kernels
+from dflash_torch.kernels import pack, reference
+from dflash_torch.quantize import BlockLinear, fuse_projections
+
+pytestmark = pytest.mark.fastpath
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _isas() -> list[int]:
+    """The compiled paths this CPU can run: scalar, then AVX2 and VNNI where it has them."""
+    best = kernels.best_isa()
+    return [] if best == "reference" else list(range(kernels.ISAS.index(best) + 1))
+
+
+SHAPES = [(1, 8, 32), (3, 13, 64), (16, 40, 96), (2, 1, 32), (33, 21, 160), (70, 24, 128), (5, 72, 608)]
+
+
+@pytest.mark.parametrize("fmt", pack.FORMATS)
+def test_compiled_paths_equal_reference(fmt):
+    """Scalar, AVX2 and VNNI paths (as this CPU has them) against the reference, bit for bit, on odd
+    shapes (N not a multiple of the 8-column group, M across the 64-row tile), with zero blocks, ties
+    at half a quantization step and values of very different magnitudes."""
+    assert _isas(), "the C++ extension did not build"
+    gen = torch.Generator().manual_seed(1)
+    code = pack.FORMATS.index(fmt)
+    for m, n, k in SHAPES:
+        w = torch.randn(n, k, generator=gen)
+        x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m)[:, None]
+        x[0, :32] = 0.0  # a zero block: scale 0
+        if k >= 64:
+            x[-1, 32:64] = torch.arange(32) - 15.5  # exact ties x * (1/d) = k + 0.5 appear here
+        p = pack.pack(pack.quantize(w, fmt), fmt)
+        want = reference.block_mm(x, p, code, n)
+        for isa in _isas():
+            got = kernels.block_mm(x, p, code, n, isa)
+            assert torch.equal(got, want), (fmt, m, n, k, kernels.ISAS[isa], (got - want).abs().max())
+
+
+@pytest.mark.parametrize("fmt", pack.FORMATS)
+def test_rows_are_independent_of_other_rows(fmt):
+    """Row i computed alone, among 2..70 rows, and in any order of rows: the same bits (what makes a
+    verify pass reproduce decode steps)."""
+    gen = torch.Generator().manual_seed(2)
+    code = pack.FORMATS.index(fmt)
+    n, k = 40, 192
+    p = pack.pack(pack.quantize(torch.randn(n, k, generator=gen), fmt), fmt)
+    x = torch.randn(70, k, generator=gen)
+    alone = torch.cat([kernels.block_mm(x[i : i + 1], p, code, n) for i in range(70)])
+    for m in (2, 4, 16, 33, 64, 70):
+        assert torch.equal(kernels.block_mm(x[:m], p, code, n), alone[:m]), m
+    perm = torch.randperm(70, generator=gen)
+    assert torch.equal(kernels.block_mm(x[perm], p, code, n), alone[perm])
+
+
+def test_activation_quantization_equals_reference():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 256, generator=gen) * 10
+    x[1] = 0.0
+    x[2, :32] = torch.arange(32) * 0.5  # halves: exact ties
+    x[3, :32] = 1e-30  # a subnormal-sized block
+    want = reference.quantize_act(x)
+    for isa in _isas():
+        got = torch.ops.dflash.quantize_act(x, isa)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), kernels.ISAS[isa]
+    q, d, s = want
+    assert q.abs().max() <= 127 and torch.equal(s, q.reshape(9, 8, 32).int().sum(-1))
+
+
+@pytest.mark.parametrize("fmt", pack.FORMATS)
+def test_accuracy_within_the_activation_rounding_bound(fmt):
+    """Against float32 x @ W_dequantized^T, each output may differ by at most what rounding the
+    activations to 8 bits can cause: each value moves by at most half a step (d/2, d = block max / 127),
+    so |error| <= sum over blocks of d_b / 2 * sum |w| (plus float32 summation rounding)."""
+    gen = torch.Generator().manual_seed(4)
+    n, k = 48, 320
+    raw = pack.quantize(torch.randn(n, k, generator=gen), fmt)
+    wd = pack.dequantize(raw, fmt).double()
+    x = torch.randn(6, k, generator=gen)
+    y = kernels.block_mm(x, pack.pack(raw, fmt), pack.FORMATS.index(fmt), n).double()
+    exact = x.double() @ wd.t()
+    half_step = x.reshape(6, -1, 32).abs().amax(-1).double() / 127 / 2  # [M, nb]
+    bound = torch.einsum("mb,nb->mn", half_step, wd.abs().reshape(n, -1, 32).sum(-1))
+    float_sum = 1e-6 * (x.double().abs() @ wd.abs().t())
+    assert ((y - exact).abs() <= bound + float_sum).all()
+    assert (y - exact).abs().max() > 0  # the activations are really quantized
+
+
+@pytest.mark.parametrize("fmt", pack.FORMATS)
+def test_blocks_are_gguf_blocks(fmt):
+    """pack/unpack keep GGUF's bytes; dequantize reads them as the gguf package does."""
+    from gguf import quants
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(21, 96, generator=gen)
+    raw = pack.quantize(w, fmt)
+    want = quants.quantize(w.numpy(), pack.gguf_type(fmt))
+    assert np.array_equal(raw.numpy(), want)
+    assert torch.equal(pack.unpack(pack.pack(raw, fmt), fmt, 21, 96), raw)
+    assert torch.equal(pack.dequantize(raw, fmt), torch.from_numpy(quants.dequantize(want, pack.gguf_type(fmt))))
+
+
+def test_default_gguf_blocks_survive_requantization():
+    """The default model's GGUF file: quantizing its dequantized Q4_1 / Q8_0 matrices again gives back the
+    stored bytes, so the engine's blocks are the file's (checked on a sample of tensors of each type)."""
+    import gguf
+
+    from dflash_torch import loading
+
+    reader = gguf.GGUFReader(str(loading.default_gguf()))
+    seen: dict[str, int] = {}
+    for t in reader.tensors:
+        name = t.tensor_type.name
+        if name not in ("Q4_0", "Q4_1", "Q8_0") or seen.get(name, 0) >= 6:
+            continue
+        raw = np.asarray(t.data)
+        w = gguf.quants.dequantize(raw, t.tensor_type)
+        assert np.array_equal(gguf.quants.quantize(w, t.tensor_type).reshape(raw.shape), raw), t.name
+        seen[name] = seen.get(name, 0) + 1
+    assert seen.get("Q4_1", 0) >= 6 and seen.get("Q8_0", 0) >= 1
+
+
+@pytest.mark.parametrize("fmt", pack.FORMATS)
+def test_block_linear_layer(fmt):
+    """BlockLinear: 3-D inputs, bias, row selection without requantization, fused q/k/v == apart."""
+    gen = torch.Generator().manual_seed(6)
+    parts = [nn.Linear(64, n, bias=True) for n in (24, 8, 8)]
+    for lin in parts:
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
+    x = torch.randn(2, 5, 64, generator=gen)
+    layers = [BlockLinear(lin, fmt) for lin in parts]
+    ys = [layer(x) for layer in layers]
+    for lin, layer, y in zip(parts, layers, ys):
+        want = reference.block_mm(x.reshape(-1, 64), layer.packed, layer.code, lin.out_features) + lin.bias
+        assert torch.equal(y, want.reshape(2, 5, -1))
+    rows = torch.tensor([3, 0, 17])
+    assert torch.equal(layers[0].rows(rows)(x), ys[0][..., rows])
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = parts
+            self.qkv_proj = None
+
+    a = fuse_projections(Attn())
+    fused = BlockLinear(a.qkv_proj, fmt)
+    assert torch.equal(fused(x), torch.cat(ys, dim=-1))
+
+
+def test_without_the_extension_the_reference_serves(tmp_path):
+    """DFLASH_NO_EXTENSION=1 (as where no compiler is found): one clear warning, and the same results
+    through the same op names."""
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(3, 64, generator=gen), torch.randn(12, 64, generator=gen)
+    p = pack.pack(pack.quantize(w, "q4_1"), "q4_1")
+    torch.save({"x": x, "p": p}, tmp_path / "in.pt")
+    code = (
+        "import sys, warnings, torch\n"
+        "from dflash_torch import kernels\n"
+        "d = torch.load(sys.argv[1])\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    backend = kernels.ensure(); kernels.ensure()\n"
+        "y = torch.ops.dflash.block_mm(d['x'], d['p'], 1, 12, -1)\n"
+        "torch.save({'backend': backend, 'y': y, 'warnings': [str(w.message) for w in caught]}, sys.argv[2])\n"
+    )
+    env = dict(os.environ, DFLASH_NO_EXTENSION="1")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
+                   cwd=ROOT, check=True, timeout=300)
+    out = torch.load(tmp_path / "out.pt")
+    assert out["backend"] == "reference"
+    assert len(out["warnings"]) == 1 and "C++ block kernels are not available" in out["warnings"][0]
+    assert torch.equal(out["y"], kernels.block_mm(x, p, 1, 12))
+
+
+def test_auto_picks_the_files_own_blocks():
+    from dflash_torch import loading
+
+    cpu = torch.device("cpu")
+    cfg = {"gguf_weight_types": {"Q4_1": 210, "head": "Q8_0"}}
+    assert loading.auto_quantize(cfg, cpu) == ("q4_1", "q8_0")
+    assert loading.auto_quantize({"gguf_weight_types": {"Q4_0": 7, "head": "Q6_K"}}, cpu) == ("q4_0", "q8_0")
+    assert loading.auto_quantize({"gguf_weight_types": {"Q4_K": 7, "head": "Q6_K"}}, cpu) == ("int4", "int8")
+    assert loading.auto_quantize(json.loads(json.dumps(cfg)), torch.device("meta")) == (None, None)
