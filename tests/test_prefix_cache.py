@@ -16,9 +16,15 @@ from dflash_torch.speculative import Stats, generate_tokens
 
 from .conftest import make_drafter
 from .test_families import GEMMA4, QWEN, _save
-from .test_lossless import clear_margins
+from .test_lossless import clear_prefix
 
 CPU = torch.device("cpu")
+# Warm and cold runs are compared up to the first near-tie of the cold run (clear_prefix); these floors on
+# the tokens so compared keep the checks from passing on almost nothing. Each is about 2/3 of what these
+# seeds give (measured as the machine is and under ATEN_CPU_CAPABILITY=avx2): a clear margin for rounding
+# that moves a near-tie by a token or two, far above what a filter that skips most of the run would leave.
+FLOOR_CONV, FLOOR_LONGER, FLOOR_SINGLE, FLOOR_RANDOM = 250, 280, 200, 200
+FLOOR_DISK, FLOOR_SHARED, FLOOR_CHUNKED = 38, 32, 32
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +57,7 @@ def test_conversation_turns_reuse_the_cache_and_decode_as_cold(targets):
     prefix cache every later turn prefills only the new tokens (the reply's last token included), and
     emits what a run without it emits; target-only, with the drafter, and with prompt lookup."""
     rng = random.Random(0)
-    checked = 0
+    checked = tokens = 0
     for name, target, drafter in targets:
         vocab = target.config.vocab_size
         for mode in ("target", "dflash", "lookup"):
@@ -61,18 +67,18 @@ def test_conversation_turns_reuse_the_cache_and_decode_as_cold(targets):
             for turn in range(3):
                 n = rng.randint(4, 16)
                 cold, _ = _gen(target, prompt, n, d, lookup=mode == "lookup")
-                if not clear_margins(target, prompt, cold):  # a near-tie may round either way: skip the turn
-                    prefix.clear()
-                    prompt = prompt + cold + [rng.randrange(vocab - 1)]
-                    continue
                 held = prefix.entries[0].ids if prefix.entries else []
                 warm, stats = _gen(target, prompt, n, d, prefix, lookup=mode == "lookup")
-                assert warm == cold, (name, mode, turn)
+                k = clear_prefix(target, prompt, cold)  # past a near-tie the two may round apart
+                assert warm[:k] == cold[:k] and len(warm) == n, (name, mode, turn)
+                tokens += k
+                assert bool(held) == (turn > 0), (name, mode, turn)
                 if held:  # everything of the last turn but its reply's last token was in the cache
                     assert stats.cached_tokens == len(held), (name, mode, turn)
                     checked += 1
                 prompt = prompt + warm + [rng.randrange(vocab - 1) for _ in range(rng.randint(1, 5))]
-    assert checked >= 16
+    # every later turn of 4 targets x 3 modes; FLOOR_CONV of the tokens compared
+    assert checked == 24 and tokens >= FLOOR_CONV, tokens
 
 
 @torch.inference_mode()
@@ -129,6 +135,7 @@ def test_stopped_early_keeps_what_was_emitted(targets):
 def test_a_longer_turn_moves_the_cache_to_a_bigger_one(targets):
     """A turn that needs more positions than the cached one was made for starts from a bigger cache
     with the cached positions (and a hybrid's state) copied in, and decodes as a cold run."""
+    ks = []
     for name, target, drafter in targets:
         prefix = PrefixCache()
         prompt = list(range(60, 72))
@@ -137,10 +144,12 @@ def test_a_longer_turn_moves_the_cache_to_a_bigger_one(targets):
         nxt = prompt + reply + [5, 6, 7]
         cold, _ = _gen(target, nxt, small, drafter)
         warm, stats = _gen(target, nxt, small, drafter, prefix)
-        if clear_margins(target, nxt, cold):
-            assert warm == cold, name
+        k = clear_prefix(target, nxt, cold)  # a long reply always meets a near-tie: equal up to the first
+        assert warm[:k] == cold[:k], (name, k)
+        ks.append(k)
         assert stats.cached_tokens == len(prompt) + len(reply) - 1, name
         assert prefix.entries[0].cache.max_len > small, name
+    assert sum(ks) >= FLOOR_LONGER, ks  # of 4 x 256 or more: long replies meet near-ties
 
 
 @torch.inference_mode()
@@ -222,15 +231,18 @@ def test_single_cache_targets(tiny_models, tmp_path):
     prefix = PrefixCache()
     rng = random.Random(9)
     prompt = [rng.randrange(255) for _ in range(12)]
+    tokens = 0
     for turn in range(3):
         n = 300 if turn == 2 else 10  # the last turn outgrows the cache: a bigger one, positions copied
         cold, _ = _gen(plain, prompt, n, drafter)
         warm, stats = _gen(target, prompt, n, drafter, prefix)
-        if clear_margins(plain, prompt, cold):
-            assert warm == cold, turn
+        k = clear_prefix(plain, prompt, cold)
+        assert warm[:k] == cold[:k], turn
+        tokens += k
         assert (stats.cached_tokens > 0) == (turn > 0) and len(prefix.entries) == 1
         assert prefix.entries[0].cache is target.cache
         prompt = prompt + warm + [rng.randrange(255) for _ in range(3)]
+    assert tokens >= FLOOR_SINGLE, tokens
     _gen(target, [1, 2, 3], 4, drafter)  # without the prefix cache: the one cache is rewound for it
     _, stats = _gen(target, prompt, 4, drafter, prefix)
     assert stats.cached_tokens == 0  # so the entry that held it is not used
@@ -240,8 +252,9 @@ def test_single_cache_targets(tiny_models, tmp_path):
 def test_random_request_sequences(targets):
     """Random request streams against one prefix cache (2 entries): prompts that extend, branch off or
     repeat earlier conversations at any point, replies of any length, some read only in part. Every
-    reply equals a cold run (near-ties skipped) and every kept entry describes its cache."""
+    reply equals a cold run (up to its first near-tie) and every kept entry describes its cache."""
     rng = random.Random(7)
+    tokens = 0
     for name, target, drafter in targets:
         vocab = target.config.vocab_size
         prefix = PrefixCache(max_entries=2)
@@ -261,12 +274,14 @@ def test_random_request_sequences(targets):
                 if len(got) == read:
                     break
             gen.close()
-            if clear_margins(target, prompt, cold):
-                assert got == cold[: len(got)], (name, step)
+            k = min(clear_prefix(target, prompt, cold), len(got))
+            assert got[:k] == cold[:k] and len(got) == read, (name, step)
+            tokens += k
             for e in prefix.entries:
                 assert e.cache.length == len(e.ids) and e.prompt_len <= len(e.ids) + 1, (name, step)
                 assert e.hidden is None or e.hidden.shape[1] == len(e.ids), (name, step)
             history.append(prompt + got)
+    assert tokens >= FLOOR_RANDOM, tokens
 
 
 @torch.inference_mode()
@@ -276,6 +291,7 @@ def test_entries_pushed_out_go_to_disk_and_come_back(targets, tmp_path):
     same prompt again replays from disk; files over the disk budget are removed."""
     from dflash_torch.prefix_cache import DiskStore
 
+    tokens = 0
     for name, target, drafter in targets:
         disk = DiskStore(tmp_path / name, max_bytes=1 << 30)
         prefix = PrefixCache(max_entries=1, disk=disk)
@@ -286,15 +302,17 @@ def test_entries_pushed_out_go_to_disk_and_come_back(targets, tmp_path):
         nxt = a + reply_a + [3, 4]
         cold, _ = _gen(target, nxt, 8, drafter)
         warm, stats = _gen(target, nxt, 8, drafter, prefix)
-        if clear_margins(target, nxt, cold):
-            assert warm == cold, name
+        k = clear_prefix(target, nxt, cold)
+        assert warm[:k] == cold[:k], name
         assert stats.cached_tokens == len(a) + 7 and prefix.disk_hits == 1, name
         assert [s.ids[:2] for s in disk.entries] == [[100, 101]]  # B went out when A came back
         # B's prompt again, from its file: the earlier reply exactly (its prefill's logits were kept)
         again, stats = _gen(target, list(range(100, 112)), 8, drafter, prefix)
         first, _ = _gen(target, list(range(100, 112)), 8, drafter)
-        assert stats.cached_tokens == 12 and (again == first or not clear_margins(target, list(range(100, 112)),
-                                                                                    first)), name
+        j = clear_prefix(target, list(range(100, 112)), first)
+        assert stats.cached_tokens == 12 and again[:j] == first[:j], name
+        tokens += k + j
+    assert tokens >= FLOOR_DISK, tokens  # of 4 x 16
     # a file that cannot be read back: the request runs cold, and the entry is forgotten
     name, target, drafter = targets[0]
     disk = DiskStore(tmp_path / "broken", max_bytes=1 << 30)
@@ -322,6 +340,7 @@ def test_entries_pushed_out_go_to_disk_and_come_back(targets, tmp_path):
 def test_a_shared_beginning_does_not_cost_the_conversation_its_cache(targets):
     """A new conversation that shares only the beginning of a kept one (a system prompt) gets those
     positions copied into a cache of its own; the kept conversation's next turn still finds all of it."""
+    tokens = 0
     for name, target, drafter in targets:
         prefix = PrefixCache(max_entries=4)
         system = list(range(50, 60))
@@ -330,15 +349,18 @@ def test_a_shared_beginning_does_not_cost_the_conversation_its_cache(targets):
         b = system + [7, 8]
         cold_b, _ = _gen(target, b, 6, drafter)
         warm_b, stats = _gen(target, b, 6, drafter, prefix)
-        if clear_margins(target, b, cold_b):
-            assert warm_b == cold_b, name
+        k = clear_prefix(target, b, cold_b)
+        assert warm_b[:k] == cold_b[:k], name
+        tokens += k
         assert stats.cached_tokens == (0 if name == "qwen3_5" else len(system)), name  # hybrid: no state there
         nxt = a + reply + [4]
         cold, _ = _gen(target, nxt, 6, drafter)
         warm, stats = _gen(target, nxt, 6, drafter, prefix)
-        if clear_margins(target, nxt, cold):
-            assert warm == cold, name
+        k = clear_prefix(target, nxt, cold)
+        assert warm[:k] == cold[:k], name
+        tokens += k
         assert stats.cached_tokens == len(a) + len(reply) - 1, name
+    assert tokens >= FLOOR_SHARED, tokens  # of 4 x 12
 
 
 @pytest.mark.fastpath
@@ -349,6 +371,7 @@ def test_chunked_prefill(targets, tiny_models):
     from dflash_torch.speculative import _run_prompt
 
     rng = random.Random(3)
+    tokens = 0
     for name, target, drafter in targets:
         prompt = [rng.randrange(target.config.vocab_size - 1) for _ in range(37)]
         one, many = target.new_cache(64), target.new_cache(64)
@@ -360,8 +383,10 @@ def test_chunked_prefill(targets, tiny_models):
         torch.testing.assert_close(h2, h1, atol=1e-4, rtol=1e-4)
         want, _ = _gen(target, prompt, 12, drafter)
         got = list(generate_tokens(target, prompt, max_new_tokens=12, drafter=drafter, prefill_chunk=7))
-        if clear_margins(target, prompt, want):
-            assert got == want, name
+        k = clear_prefix(target, prompt, want)
+        assert got[:k] == want[:k], name
+        tokens += k
+    assert tokens >= FLOOR_CHUNKED, tokens  # of 4 x 12
     target = quantize_int4(loading.load_target(tiny_models["llama"], CPU, torch.float32))
     exact_prefill(target)
     prompt = [rng.randrange(255) for _ in range(50)]
