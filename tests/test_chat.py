@@ -61,6 +61,11 @@ def test_chat_with_a_grammar_and_penalties(chat_model, monkeypatch, capsys):
                      "--regex", "(ab|cd)+x", "--presence-penalty", "0.5"]) == 0
     out = capsys.readouterr().out.splitlines()
     pipe = load(str(target), str(draft), device="cpu", dtype="float32")
-    r = generate(pipe, pipe.encode_messages([{"role": "user", "content": "Hello"}]), 24, use_draft=False,
-                 grammar=("regex", "(ab|cd)+x"), sampler=Sampler(presence_penalty=0.5))
-    assert out[0] == pipe.decode(r.token_ids) and len(out) == 2
+    messages, want = [], []
+    for text in ("Hello", "Again"):  # each reply: target-only one-shot generation of the conversation so far
+        messages.append({"role": "user", "content": text})
+        r = generate(pipe, pipe.encode_messages(messages), 24, use_draft=False,
+                     grammar=("regex", "(ab|cd)+x"), sampler=Sampler(presence_penalty=0.5))
+        want.append(pipe.decode(r.token_ids))
+        messages.append({"role": "assistant", "content": want[-1]})
+    assert out == want and all(w for w in want)
