@@ -43,9 +43,9 @@ TEMPLATE = (  # `preamble`: a template variable, for --chat-template-args / chat
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a haiku about rain"}]
 
 
-def make_chat_model(path: Path, specials: list[str] = SPECIALS) -> tuple[Path, Path]:
+def make_chat_model(path: Path, specials: list[str] = SPECIALS, **overrides) -> tuple[Path, Path]:
     """A tiny random Llama whose vocab is a character-level tokenizer with a chat template, and a
-    random drafter for it: (target dir, drafter dir)."""
+    random drafter for it: (target dir, drafter dir). `overrides`: config values (make_hf_model)."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
@@ -59,7 +59,7 @@ def make_chat_model(path: Path, specials: list[str] = SPECIALS) -> tuple[Path, P
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<|end|>")
     fast.chat_template = TEMPLATE
     target = make_hf_model("llama", path / "target", vocab_size=len(vocab), eos_token_id=vocab["<|end|>"],
-                           bos_token_id=None, pad_token_id=None)
+                           bos_token_id=None, pad_token_id=None, **overrides)
     fast.save_pretrained(target)
     return target, make_drafter(target, path / "draft")
 
