@@ -362,6 +362,9 @@ class DFlashDrafter(nn.Module):
         if self.draft_vocab is None:
             return lm_head
         if self._head is None or self._head[0] is not lm_head:
+            if isinstance(lm_head, quantize.BlockLinear):  # its rows' blocks as they are
+                self._head = (lm_head, lm_head.rows(self.draft_vocab))
+                return self._head[1]
             rows = self.draft_vocab.to(lm_head.weight.device)
             w = lm_head.weight.detach()[rows]  # quantized heads read back their dequantized weight
             bias = getattr(lm_head, "bias", None)

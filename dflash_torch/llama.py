@@ -88,6 +88,9 @@ class Attention(nn.Module):
         # every mode and stays fused), and not with a sliding window (decode masks there).
         self.exact_verify = False
         self.exact_max_t: int | None = EXACT_VERIFY_MAX_T  # None: prefills too (quantize.exact_prefill)
+        # Set by quantize.quantize_blocks: every pass (decode, verify, prefill) attends through the
+        # query-independent kernel (kernels/attention.cpp), so each position gets the same bits in any pass
+        self.exact_kernel = False
         self.no_window = c.sliding_window is None
         self.qkv_proj = None  # [q; k; v] as one layer, set by quantize.fuse_projections
 
@@ -114,6 +117,9 @@ class Attention(nn.Module):
             k, v = cache.write_at(self.layer, start, k, v.transpose(1, 2))  # the whole cache [B, Hkv, S, D]
             return self.o_proj(attend(q, k, v, mask, self.scale))
         k, v = cache.write(self.layer, start, k, v.transpose(1, 2))  # [B, Hkv, start + T, D]
+        if self.exact_kernel and b == 1:
+            o = torch.ops.dflash.causal_attention(q[0].transpose(0, 1), k[0], v[0], start, self.scale, -1)
+            return self.o_proj(o[None])  # [1, T, H * D]
         if self.exact_verify and 1 < t and (self.exact_max_t is None or t <= self.exact_max_t) and self.no_window:
             return self.o_proj(attend_each_query(q, k, v, start, self.scale))
         return self.o_proj(attend(q, k, v, mask, self.scale))
@@ -243,6 +249,8 @@ class Model(nn.Module):
 
     def _each_query(self, t: int) -> bool:
         a = self.model.layers[0].self_attn  # quantize.py sets these on every layer alike
+        if a.exact_kernel:
+            return True
         return a.exact_verify and (a.exact_max_t is None or t <= a.exact_max_t) and a.no_window
 
     def _decode_plan(self) -> nn.Module:
@@ -266,7 +274,7 @@ class Model(nn.Module):
             lins += [flat.linear_spec(m) for m in (*qkv, a.o_proj, *mlp_in, mlp.down_proj)]
         act = flat.ACTIVATIONS.index(c.hidden_act)
         layers = FlatLayers(norms, qk_norms, lins, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                            float(c.rms_norm_eps), float(a0.scale), act, fused_qkv, fused_mlp)
+                            float(c.rms_norm_eps), float(a0.scale), act, fused_qkv, fused_mlp, a0.exact_kernel)
         # CPU only: on CUDA TorchScript fuses elementwise operators (other bits), and CUDA graphs serve there
         return flat.script(layers) if self.script and self.model.embed_tokens.weight.device.type == "cpu" else layers
 
@@ -312,8 +320,9 @@ class FlatLayers(nn.Module):
     TorchScript, from its graph interpreter (`script`)."""
 
     def __init__(self, norms, qk_norms, lins, h: int, hkv: int, d: int, eps: float, scale: float, act: int,
-                 fused_qkv: bool, fused_mlp: bool) -> None:
+                 fused_qkv: bool, fused_mlp: bool, exact_kernel: bool = False) -> None:
         super().__init__()
+        self.exact_kernel = exact_kernel  # attention through kernels/attention.cpp (Attention.exact_kernel)
         self.norms, self.qk_norms, self.lins = norms, qk_norms, lins
         self.h, self.hkv, self.d, self.eps, self.scale, self.act = h, hkv, d, eps, scale, act
         self.fused_qkv, self.fused_mlp = fused_qkv, fused_mlp
@@ -346,12 +355,15 @@ class FlatLayers(nn.Module):
             layer_k, layer_v = keys[i], values[i]  # [1, Hkv, S, D]
             layer_k.narrow(2, pos, t).copy_(k.transpose(0, 1))
             layer_v.narrow(2, pos, t).copy_(v.transpose(0, 1))
-            q1 = q.unsqueeze(2)  # [T, H, 1, D]: query j is a [1, H, 1, D] slice, as a decode step's query
-            o = [F.scaled_dot_product_attention(q1.narrow(0, j, 1), layer_k.narrow(2, 0, pos + j + 1),
-                                                layer_v.narrow(2, 0, pos + j + 1), scale=self.scale,
-                                                enable_gqa=hkv != h)
-                 for j in range(t)]  # T x [1, H, 1, D]
-            attn = o[0].view(1, h * d) if t == 1 else torch.cat(o, dim=2).transpose(1, 2).reshape(t, h * d)
+            if self.exact_kernel:
+                attn = torch.ops.dflash.causal_attention(q, layer_k[0], layer_v[0], pos, self.scale, -1)  # [T, H * D]
+            else:
+                q1 = q.unsqueeze(2)  # [T, H, 1, D]: query j is a [1, H, 1, D] slice, as a decode step's query
+                o = [F.scaled_dot_product_attention(q1.narrow(0, j, 1), layer_k.narrow(2, 0, pos + j + 1),
+                                                    layer_v.narrow(2, 0, pos + j + 1), scale=self.scale,
+                                                    enable_gqa=hkv != h)
+                     for j in range(t)]  # T x [1, H, 1, D]
+                attn = o[0].view(1, h * d) if t == 1 else torch.cat(o, dim=2).transpose(1, 2).reshape(t, h * d)
             x = flat.add_linear(x, attn, ls[-3] if self.fused_mlp else ls[-4])
             y = flat.rms_norm(x, self.norms[2 * i + 1], eps)
             x = flat.add_mlp(x, y, ls[-2:-1] if self.fused_mlp else ls[-3:-1], ls[-1], self.act)

@@ -225,8 +225,13 @@ def auto_quantize(config: dict, device: torch.device) -> tuple[str | None, str |
     layers, head = stored_types(config)
     if device.type != "cpu" or layers is None:
         return None, None
-    layers = _kernel_for(layers)
-    head = _kernel_for(head) if layers else None
+    layers, head = _kernel_for(layers), _kernel_for(head) if layers else None
+    if layers in ("q4_0", "q4_1", "q8_0"):
+        from . import kernels
+
+        if kernels.ensure() != "compiled":  # the reference is far too slow to serve: PyTorch's kernels
+            pytorch_kernel = {"q4_0": "int4", "q4_1": "int4", "q8_0": "int8"}
+            layers, head = pytorch_kernel[layers], pytorch_kernel.get(head, head)
     if layers in ("q4_0", "q4_1", "q8_0") and head in ("int4", "int8"):  # one kernel family for the whole model
         head = {"int4": "q4_0", "int8": "q8_0"}[head]
     return layers, head

@@ -292,6 +292,9 @@ def quantize_blocks(model: nn.Module, fmt: str, fuse: bool = True, head: str | N
     if isinstance(lm, nn.Linear) and block_fits(lm):
         model.lm_head = BlockLinear(lm, head)
     _replace_linears(model, lambda lin: BlockLinear(lin, fmt) if block_fits(lin) else None)
+    for m in model.modules():  # attention whose result for a query does not depend on the pass
+        if hasattr(m, "exact_kernel") and getattr(m, "no_window", False):
+            m.exact_kernel = True
     return exact_verify(model)
 
 

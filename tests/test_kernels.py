@@ -199,3 +199,40 @@ def test_auto_picks_the_files_own_blocks():
     assert loading.auto_quantize({"gguf_weight_types": {"Q4_0": 7, "head": "Q6_K"}}, cpu) == ("q4_0", "q8_0")
     assert loading.auto_quantize({"gguf_weight_types": {"Q4_K": 7, "head": "Q6_K"}}, cpu) == ("int4", "int8")
     assert loading.auto_quantize(json.loads(json.dumps(cfg)), torch.device("meta")) == (None, None)
+
+
+ATTENTION_SHAPES = [(1, 9, 3, 64, 100), (16, 9, 3, 64, 37), (5, 4, 4, 16, 0), (3, 8, 2, 128, 1000), (7, 4, 2, 24, 5)]
+
+
+def _attention_isas() -> list[int]:
+    return [0, 1] if kernels.best_isa() in ("avx2", "vnni") else [0]
+
+
+def test_attention_paths_agree_and_queries_are_independent():
+    """The AVX2 path == the scalar twin bit for bit; query i's result is the same alone (at start + i) as
+    among T queries (what makes prefill, verify and decode agree); against PyTorch's attention, within
+    float32 rounding of sums over the keys and head dimensions."""
+    gen = torch.Generator().manual_seed(8)
+    for t, h, hkv, d, start in ATTENTION_SHAPES:
+        s = start + t + 3
+        q, k, v = (torch.randn(*shape, generator=gen) for shape in ((t, h, d), (hkv, s, d), (hkv, s, d)))
+        scale = d**-0.5
+        outs = [torch.ops.dflash.causal_attention(q, k, v, start, scale, isa) for isa in _attention_isas()]
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0]), (t, h, d, start)
+        alone = torch.cat([torch.ops.dflash.causal_attention(q[i : i + 1], k, v, start + i, scale, -1)
+                           for i in range(t)])
+        assert torch.equal(alone, outs[-1])
+        want = reference.causal_attention(q, k, v, start, scale)
+        tol = 4 * (start + t + d) * 2.0**-24 * v.abs().max()
+        assert (outs[-1] - want).abs().max() <= tol, (t, h, d, start)
+
+
+def test_attention_reads_strided_caches():
+    """Keys and values as the cache holds them ([Hkv, S, D] views of [L, B, Hkv, S, D]): same as copies."""
+    gen = torch.Generator().manual_seed(9)
+    cache_k, cache_v = torch.randn(2, 1, 3, 50, 32, generator=gen), torch.randn(2, 1, 3, 50, 32, generator=gen)
+    q = torch.randn(4, 6, 32, generator=gen)
+    k, v = cache_k[1, 0, :, :20], cache_v[1, 0, :, :20]
+    got = torch.ops.dflash.causal_attention(q, k, v, 16, 0.2, -1)
+    assert torch.equal(got, torch.ops.dflash.causal_attention(q, k.contiguous(), v.contiguous(), 16, 0.2, -1))

@@ -1,5 +1,5 @@
-"""CPU block kernels (blocks.cpp): GGUF Q4_0 / Q4_1 / Q8_0 weights times 8-bit activations, each row's
-result the same whatever the number of rows.
+"""CPU kernels whose result for a row does not depend on the other rows of the call: GGUF Q4_0 / Q4_1 /
+Q8_0 weights times 8-bit activations (blocks.cpp), and causal attention over a KV cache (attention.cpp).
 
 `ensure()` builds the C++ extension once with `torch.utils.cpp_extension` (ninja) into the user cache
 and registers its ops as `torch.ops.dflash.*`; later processes load the cached build. Where no compiler
@@ -35,9 +35,10 @@ def _build_dir() -> Path:
 def _compile() -> None:
     from torch.utils import cpp_extension
 
-    src = Path(__file__).with_name("blocks.cpp")
-    # -ffp-contract=off: no fused multiply-adds, so every path rounds each step as the reference does
-    cpp_extension.load(name="dflash_blocks", sources=[str(src)], build_directory=str(_build_dir()),
+    here = Path(__file__).parent
+    sources = [str(here / "blocks.cpp"), str(here / "attention.cpp")]
+    # -ffp-contract=off: no multiply-add fused behind our back, so every path rounds each step as written
+    cpp_extension.load(name="dflash_blocks", sources=sources, build_directory=str(_build_dir()),
                        extra_cflags=["-O3", "-ffp-contract=off"], is_python_module=False, verbose=False)
 
 
@@ -49,6 +50,8 @@ def _register_reference() -> None:
     lib.impl("block_mm", reference.block_mm, "CPU")
     lib.impl("quantize_act", lambda x, isa=-1: reference.quantize_act(x), "CPU")
     lib.impl("best_isa", lambda: -1, "CompositeExplicitAutograd")
+    lib.define("causal_attention(Tensor q, Tensor k, Tensor v, int start, float scale, int isa=-1) -> Tensor")
+    lib.impl("causal_attention", reference.causal_attention, "CPU")
     _state["library"] = lib  # the registration lives as long as this object
 
 

@@ -16,10 +16,11 @@
 // with -ffp-contract=off so that no multiply-add is fused behind our back.
 //
 // Weights are repacked once (pack.py) from GGUF's block rows into groups of 8 output columns: for each
-// group and block, the 8 fp16 scales (Q4_1: then the 8 fp16 minimums), then the 8 columns' quants
-// exactly as GGUF stores them (Q4: 16 bytes, element j in the low nibble of byte j and j + 16 in its
-// high nibble; Q8: 32 signed bytes). Each weight block is unpacked once per call for up to TILE_ROWS
-// rows; threads split the column groups.
+// group and block, the 8 fp16 scales (Q4_1: then the 8 fp16 minimums), then the 8 columns' quant bytes
+// exactly as GGUF stores them (Q4: 16 bytes, value j in the low nibble of byte j and j + 16 in its
+// high nibble; Q8: 32 signed bytes), reordered in chunks of 4 bytes so that one 32-byte load holds 4
+// values of each of the 8 columns. Each weight block is unpacked once per call for up to TILE_ROWS rows;
+// threads split the column groups.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -133,6 +134,16 @@ struct Rows {  // quantized activations of the rows of one tile
   int64_t k, nb;
 };
 
+// A record's quants are GGUF's bytes in chunks of 4: for chunk j and column c, bytes 4j..4j+3 of column
+// c's quants sit at 32 j + 4 c. Q4: the low nibbles of chunk j are values 4j..4j+3, the high nibbles
+// values 16 + 4j..; Q8: chunk j is values 4j..4j+3.
+inline int quant_at(int64_t fmt, const uint8_t* qs, int c, int i) {
+  if (fmt == Q8_0) return (int8_t)qs[32 * (i / 4) + 4 * c + i % 4];
+  const int e = i % 16;
+  const uint8_t byte = qs[32 * (e / 4) + 4 * c + e % 4];
+  return i < 16 ? byte & 0x0f : byte >> 4;
+}
+
 void tile_scalar(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
   // acc [r1 - r0, GROUP] accumulates the tile's rows for one column group
   const int64_t gb = group_bytes(fmt);
@@ -144,17 +155,9 @@ void tile_scalar(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64
     if (fmt == Q4_1)
       for (int c = 0; c < GROUP; c++) mw[c] = half_to_float(hd[GROUP + c]);
     const uint8_t* qs = rec + (fmt == Q4_1 ? 4 : 2) * GROUP;
-    int8_t wq[GROUP][QK];  // the columns' quants (Q4: nibbles 0..15, unsigned)
-    for (int c = 0; c < GROUP; c++) {
-      if (fmt == Q8_0) {
-        std::memcpy(wq[c], qs + c * QK, QK);
-      } else {
-        for (int j = 0; j < 16; j++) {
-          wq[c][j] = (int8_t)(qs[c * 16 + j] & 0x0f);
-          wq[c][j + 16] = (int8_t)(qs[c * 16 + j] >> 4);
-        }
-      }
-    }
+    int32_t wq[GROUP][QK];
+    for (int c = 0; c < GROUP; c++)
+      for (int i = 0; i < QK; i++) wq[c][i] = quant_at(fmt, qs, c, i);
     for (int64_t r = r0; r < r1; r++) {
       const int8_t* xq = x.q + r * x.k + b * QK;
       const float dx = x.d[r * x.nb + b];
@@ -162,7 +165,7 @@ void tile_scalar(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64
       float* a = acc + (r - r0) * GROUP;
       for (int c = 0; c < GROUP; c++) {
         int32_t isum = 0;
-        for (int i = 0; i < QK; i++) isum += (int32_t)xq[i] * (int32_t)wq[c][i];
+        for (int i = 0; i < QK; i++) isum += (int32_t)xq[i] * wq[c][i];
         if (fmt == Q4_0) isum -= 8 * sx;
         const float dd = dx * dw[c];
         a[c] = a[c] + (float)isum * dd;
@@ -173,83 +176,96 @@ void tile_scalar(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64
 }
 
 #ifdef DFLASH_X86
-// The vector paths: one __m256i of 8 int32 partial sums per column, reduced to the 8 columns' exact block
-// sums by a tree of horizontal adds (integer adds: any order gives the same sum).
-#define DFLASH_REDUCE8(v, out)                                                               \
-  do {                                                                                       \
-    __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);        \
-    __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);        \
-    __m256i h03 = _mm256_hadd_epi32(h01, h23), h47 = _mm256_hadd_epi32(h45, h67);            \
-    out = _mm256_add_epi32(_mm256_permute2x128_si256(h03, h47, 0x20),                         \
-                           _mm256_permute2x128_si256(h03, h47, 0x31));                        \
-  } while (0)
+// The vector paths hold one block of the group's 8 columns as 8 chunk vectors (32 bytes: 4 values of each
+// column) and multiply each by 4 of the row's values broadcast to all columns, so every int32 lane sums
+// one column's products: the block sums come out per column, with no horizontal adds.
 
-#define DFLASH_TILE_BODY(DOT4, DOT8)                                                                   \
-  const int64_t gb = group_bytes(fmt);                                                                 \
-  const __m256i low = _mm256_set1_epi8(0x0f);                                                          \
-  for (int64_t b = 0; b < nb; b++) {                                                                   \
-    const uint8_t* rec = w + b * gb;                                                                   \
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));                           \
-    const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16)))      \
-                                  : _mm256_setzero_ps();                                               \
-    const uint8_t* qs = rec + (fmt == Q4_1 ? 4 : 2) * GROUP;                                           \
-    __m256i wv[GROUP];                                                                                 \
-    for (int c = 0; c < GROUP; c++) {                                                                  \
-      if (fmt == Q8_0) {                                                                               \
-        wv[c] = _mm256_loadu_si256((const __m256i*)(qs + c * QK));                                     \
-      } else {                                                                                         \
-        __m128i p = _mm_loadu_si128((const __m128i*)(qs + c * 16));                                    \
-        __m256i both = _mm256_set_m128i(_mm_srli_epi16(p, 4), p);                                      \
-        wv[c] = _mm256_and_si256(both, low); /* elements 0..15, then 16..31 */                        \
-      }                                                                                                \
-    }                                                                                                  \
-    for (int64_t r = r0; r < r1; r++) {                                                                \
-      const __m256i xv = _mm256_loadu_si256((const __m256i*)(x.q + r * x.k + b * QK));                 \
-      const float dx = x.d[r * x.nb + b];                                                              \
-      const int32_t sx = x.s[r * x.nb + b];                                                            \
-      __m256i v[GROUP], isum;                                                                          \
-      if (fmt == Q8_0) {                                                                               \
-        for (int c = 0; c < GROUP; c++) v[c] = DOT8(wv[c], xv);                                        \
-      } else {                                                                                         \
-        for (int c = 0; c < GROUP; c++) v[c] = DOT4(wv[c], xv);                                        \
-      }                                                                                                \
-      DFLASH_REDUCE8(v, isum);                                                                         \
-      if (fmt == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * sx));                      \
-      float* a = acc + (r - r0) * GROUP;                                                               \
-      const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(dx), dw);                                         \
-      __m256 av = _mm256_add_ps(_mm256_loadu_ps(a), _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dd));      \
-      if (fmt == Q4_1) av = _mm256_add_ps(av, _mm256_mul_ps(mw, _mm256_set1_ps(dx * (float)sx)));      \
-      _mm256_storeu_ps(a, av);                                                                         \
-    }                                                                                                  \
+#define DFLASH_FLOAT_STEP                                                                         \
+  if (fmt == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * sx));                      \
+  float* a = acc + (r - r0) * GROUP;                                                              \
+  const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(dx), dw);                                        \
+  __m256 av = _mm256_add_ps(_mm256_loadu_ps(a), _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dd));     \
+  if (fmt == Q4_1) av = _mm256_add_ps(av, _mm256_mul_ps(mw, _mm256_set1_ps(dx * (float)sx)));     \
+  _mm256_storeu_ps(a, av);
+
+#define DFLASH_TILE_BODY(Q4_SUM, Q8_SUM)                                                          \
+  const int64_t gb = group_bytes(fmt);                                                            \
+  const __m256i low = _mm256_set1_epi8(0x0f);                                                     \
+  for (int64_t b = 0; b < nb; b++) {                                                              \
+    const uint8_t* rec = w + b * gb;                                                              \
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));                      \
+    const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16)))  \
+                                  : _mm256_setzero_ps();                                          \
+    const uint8_t* qs = rec + (fmt == Q4_1 ? 4 : 2) * GROUP;                                      \
+    __m256i wv[8];                                                                                \
+    if (fmt == Q8_0) {                                                                            \
+      for (int j = 0; j < 8; j++) wv[j] = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));       \
+    } else {                                                                                      \
+      for (int j = 0; j < 4; j++) {                                                               \
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));                      \
+        wv[j] = _mm256_and_si256(v, low);                                                         \
+        wv[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);                               \
+      }                                                                                           \
+    }                                                                                             \
+    for (int64_t r = r0; r < r1; r++) {                                                           \
+      const int8_t* xb = x.q + r * x.k + b * QK;                                                  \
+      const float dx = x.d[r * x.nb + b];                                                         \
+      const int32_t sx = x.s[r * x.nb + b];                                                       \
+      __m256i isum;                                                                               \
+      if (fmt == Q8_0) {                                                                          \
+        Q8_SUM                                                                                    \
+      } else {                                                                                    \
+        Q4_SUM                                                                                    \
+      }                                                                                           \
+      DFLASH_FLOAT_STEP                                                                           \
+    }                                                                                             \
   }
 
-// AVX2: unsigned x signed bytes -> int16 pairs (maddubs; at most 2 * 127 * 127, no saturation since the
-// activations stay in [-127, 127]) -> int32 quads (madd with ones). Q8 weights are signed: |w| times x
-// with w's sign (sign_epi8), the usual trick.
-__attribute__((target("avx2,fma,f16c"))) inline __m256i dot4_avx2(__m256i w, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-}
-__attribute__((target("avx2,fma,f16c"))) inline __m256i dot8_avx2(__m256i w, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
-                           _mm256_set1_epi16(1));
-}
+// 4 values of the row, as one int32 to broadcast: chunk j (j < 4: values 4j..; j >= 4: 16 + 4(j - 4)..)
+// AVX2: unsigned x signed bytes -> int16 pairs (maddubs). Q4: |pair| <= 2 * 15 * 127, so the 8 chunks
+// add up in int16 without overflow (<= 30480) before one madd to int32. Q8 weights are signed: |w| times
+// x with w's sign (sign_epi8), each chunk to int32 at once (a pair reaches 2 * 127 * 127).
+#define DFLASH_AVX2_Q4                                                                            \
+  const int32_t* x4 = (const int32_t*)xb;                                                         \
+  __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(x4[0]));                            \
+  s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[1], _mm256_set1_epi32(x4[1])));             \
+  s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[2], _mm256_set1_epi32(x4[2])));             \
+  s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[3], _mm256_set1_epi32(x4[3])));             \
+  s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[4], _mm256_set1_epi32(x4[4])));             \
+  s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[5], _mm256_set1_epi32(x4[5])));             \
+  s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[6], _mm256_set1_epi32(x4[6])));             \
+  s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[7], _mm256_set1_epi32(x4[7])));             \
+  isum = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+
+#define DFLASH_AVX2_Q8                                                                            \
+  const int32_t* x4 = (const int32_t*)xb;                                                         \
+  isum = _mm256_setzero_si256();                                                                  \
+  for (int j = 0; j < 8; j++) {                                                                   \
+    const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), wv[j]);                         \
+    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv[j]), xv), \
+                                                    _mm256_set1_epi16(1)));                       \
+  }
+
+// VNNI: unsigned x signed bytes straight into int32 lanes (dpbusd, on 256-bit registers).
+#define DFLASH_VNNI_Q4                                                                            \
+  const int32_t* x4 = (const int32_t*)xb;                                                         \
+  isum = _mm256_setzero_si256();                                                                  \
+  for (int j = 0; j < 8; j++) isum = _mm256_dpbusd_epi32(isum, wv[j], _mm256_set1_epi32(x4[j]));
+
+#define DFLASH_VNNI_Q8                                                                            \
+  const int32_t* x4 = (const int32_t*)xb;                                                         \
+  isum = _mm256_setzero_si256();                                                                  \
+  for (int j = 0; j < 8; j++)                                                                     \
+    isum = _mm256_dpbusd_epi32(isum, _mm256_abs_epi8(wv[j]), _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), wv[j]));
+
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x,
                                                         int64_t r0, int64_t r1, float* acc) {
-  DFLASH_TILE_BODY(dot4_avx2, dot8_avx2)
+  DFLASH_TILE_BODY(DFLASH_AVX2_Q4, DFLASH_AVX2_Q8)
 }
 
-// AVX-512 VNNI (on 256-bit registers): unsigned x signed bytes straight into int32 quads.
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) inline __m256i dot4_vnni(__m256i w,
-                                                                                                       __m256i x) {
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-}
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) inline __m256i dot8_vnni(__m256i w,
-                                                                                                       __m256i x) {
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-}
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) void tile_vnni(
     int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
-  DFLASH_TILE_BODY(dot4_vnni, dot8_vnni)
+  DFLASH_TILE_BODY(DFLASH_VNNI_Q4, DFLASH_VNNI_Q8)
 }
 #endif
 

@@ -4,7 +4,7 @@ A GGUF tensor of one of these types is, per output row, K/32 blocks: an fp16 sca
 fp16 minimum m) and the 32 values' quants (Q4: 16 bytes, value j in the low nibble of byte j and value
 j + 16 in its high nibble, w = d * (q - 8) for Q4_0 and d * q + m for Q4_1; Q8_0: 32 signed bytes,
 w = d * q). `pack` reorders those bytes, unchanged, into records of 8 output columns per block
-(blocks.cpp explains the record); `unpack` is its inverse. Floats are quantized into blocks by the
+(blocks.cpp explains the record; llama.cpp repacks its Q4_0 for its CPU kernels alike); `unpack` is its inverse. Floats are quantized into blocks by the
 `gguf` package's own quantizer, which reproduces llama.cpp's reference quantization.
 """
 
@@ -42,8 +42,10 @@ def quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def pack(raw: torch.Tensor, fmt: str) -> torch.Tensor:
     """GGUF blocks [N, nb * bs] -> the kernel's layout, flat uint8 [ceil(N/8) * nb * record]: per group of 8
-    columns and block, the 8 scales, (Q4_1) the 8 minimums, then the 8 columns' quants. Rows past N
-    are zero blocks (scale 0), so padded columns compute 0 and are never returned."""
+    columns and block, the 8 scales, (Q4_1) the 8 minimums, then the 8 columns' quant bytes in chunks of
+    4 (chunk j of column c at byte 32 j + 4 c), so that one 32-byte load holds 4 values of each column.
+    Only bytes move: no value changes. Rows past N are zero blocks (scale 0), so padded columns compute
+    0 and are never returned."""
     bs, hb = block_bytes(fmt), HEADER[fmt]
     n = raw.shape[0]
     nb = raw.shape[1] // bs
@@ -54,7 +56,8 @@ def pack(raw: torch.Tensor, fmt: str) -> torch.Tensor:
     parts = [blk[..., 0:2].reshape(groups, nb, 2 * GROUP)]
     if fmt == "q4_1":
         parts.append(blk[..., 2:4].reshape(groups, nb, 2 * GROUP))
-    parts.append(blk[..., hb:].reshape(groups, nb, GROUP * QUANTS[fmt]))
+    q = QUANTS[fmt]  # the quants in chunks of 4 bytes, chunk-major: chunk j of column c at 32 j + 4 c
+    parts.append(blk[..., hb:].reshape(groups, nb, GROUP, q // 4, 4).transpose(2, 3).reshape(groups, nb, GROUP * q))
     return torch.cat(parts, dim=-1).reshape(-1).contiguous()
 
 
@@ -66,7 +69,7 @@ def unpack(packed: torch.Tensor, fmt: str, n: int, k: int) -> torch.Tensor:
     parts = [d]
     if fmt == "q4_1":
         parts.append(rec[..., 2 * GROUP : 4 * GROUP].reshape(groups, nb, GROUP, 2))
-    parts.append(rec[..., -GROUP * q :].reshape(groups, nb, GROUP, q))
+    parts.append(rec[..., -GROUP * q :].reshape(groups, nb, q // 4, GROUP, 4).transpose(2, 3).reshape(groups, nb, GROUP, q))
     blk = torch.cat(parts, dim=-1).permute(0, 2, 1, 3)  # [G, 8, nb, bs]
     return blk.reshape(groups * GROUP, nb * block_bytes(fmt))[:n].contiguous()
 

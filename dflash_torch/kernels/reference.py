@@ -40,3 +40,19 @@ def block_mm(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, isa: int =
         if name == "q4_1":
             acc = acc + mw[None, :, b] * (dx[:, b] * sx[:, b].float())[:, None]
     return acc
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                     isa: int = -1) -> torch.Tensor:
+    """q [T, H, D], k/v [Hkv, S, D] -> [T, H * D]: query i attends to keys 0 .. start + i, each query on its
+    own (so its result does not depend on T), through PyTorch's attention. Not the compiled kernel's bits
+    (attention.cpp has its own exp), but the same for a query whatever the call it is in, which is what
+    the fallback needs: decode steps and verify passes then agree with each other."""
+    import torch.nn.functional as F
+
+    t, h, d = q.shape
+    hkv = k.shape[0]
+    outs = [F.scaled_dot_product_attention(q[i].float()[None, :, None], k[None, :, : start + i + 1],
+                                           v[None, :, : start + i + 1], scale=scale, enable_gqa=hkv != h)
+            for i in range(t)]  # T x [1, H, 1, D]
+    return torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(t, h * d)

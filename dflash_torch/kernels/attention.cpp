@@ -1,0 +1,220 @@
+// Causal attention over a KV cache whose result for a query does not depend on the other queries of the
+// call: query i of T at position start + i attends to keys 0 .. start + i, computed by a fixed sequence
+// of operations that depends only on that query, its keys and values. A prefill of T tokens, a verify
+// pass of a drafted block and a decode step therefore give each position the same bits, which the fused
+// CPU kernels do not (they tile queries and keys by the call's shape).
+//
+// Per query q and head (GQA: query head h reads kv head h / (H / Hkv)):
+//   s_j = dot(q, k_j) * scale                     dot: 8 lanes, lane l sums d = l, l + 8, ... by fma in d
+//                                                 order, then ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+//   m = max_j s_j;  p_j = exp(s_j - m)            exp: dflash_exp below, the same operations on every path
+//   z = sum_j p_j                                 8 lanes by j mod 8, then the tree above
+//   o[d] = (sum_j p_j v_j[d], by fma in j order) / z
+// The AVX2 path and the scalar twin compute exactly this (tests/test_kernels.py compares them bit for bit).
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define DFLASH_X86 1
+#endif
+
+namespace {
+
+// exp(x) for x <= 0 (softmax after subtracting the max): 2^n * P(r), r = x - n ln2, Cephes' polynomial;
+// 0 below -87 (where 2^n would leave the normal range). Error ~2 ulp; the point is that every path
+// performs these same operations.
+constexpr float EXP_LO = -87.f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
+constexpr float C0 = 1.9875691500e-4f, C1 = 1.3981999507e-3f, C2 = 8.3334519073e-3f, C3 = 4.1665795894e-2f,
+                C4 = 1.6666665459e-1f, C5 = 5.0000001201e-1f;
+
+inline float exp_scalar(float x) {
+  if (x < EXP_LO) return 0.f;
+  const float n = std::nearbyint(x * LOG2E);
+  float r = std::fma(n, -LN2_HI, x);
+  r = std::fma(n, -LN2_LO, r);
+  float p = std::fma(C0, r, C1);
+  p = std::fma(p, r, C2);
+  p = std::fma(p, r, C3);
+  p = std::fma(p, r, C4);
+  p = std::fma(p, r, C5);
+  const float y = std::fma(p, r * r, r) + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &y, 4);
+  bits += (int32_t)n << 23;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+inline float tree8(const float* a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+
+float dot_scalar(const float* q, const float* k, int64_t d) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i = 0; i < d; i++) lane[i % 8] = std::fma(q[i], k[i], lane[i % 8]);
+  return tree8(lane);
+}
+
+// one (query, head): scores over n keys into buf [n], output [d]
+void query_scalar(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t n, int64_t d,
+                  float scale, float* buf, float* out) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < n; j++) {
+    buf[j] = dot_scalar(q, k + j * ks, d) * scale;
+    m = std::fmax(m, buf[j]);
+  }
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t j = 0; j < n; j++) {
+    buf[j] = exp_scalar(buf[j] - m);
+    lane[j % 8] = lane[j % 8] + buf[j];
+  }
+  const float z = tree8(lane);
+  for (int64_t i = 0; i < d; i++) out[i] = 0.f;
+  for (int64_t j = 0; j < n; j++)
+    for (int64_t i = 0; i < d; i++) out[i] = std::fma(buf[j], v[j * vs + i], out[i]);
+  for (int64_t i = 0; i < d; i++) out[i] = out[i] / z;
+}
+
+#ifdef DFLASH_X86
+#define DFLASH_AVX2 __attribute__((target("avx2,fma")))
+
+DFLASH_AVX2 inline float tree8_avx2(__m256 a) {
+  const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // l0+l4 .. l3+l7
+  const __m128 t = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));  // (l0+l4)+(l2+l6), (l1+l5)+(l3+l7)
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+DFLASH_AVX2 inline __m256 exp_avx2(__m256 x) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(C0), r, _mm256_set1_ps(C1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C5));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(y), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_GE_OQ);
+  return _mm256_and_ps(_mm256_castsi256_ps(bits), keep);
+}
+
+DFLASH_AVX2 void query_avx2(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t n,
+                            int64_t d, float scale, float* buf, float* out) {
+  const int64_t dv = d / 8;  // d % 8 == 0 here
+  __m256 qv[32];             // d <= 256
+  for (int64_t c = 0; c < dv; c++) qv[c] = _mm256_loadu_ps(q + 8 * c);
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j < n; j++) {
+    const float* kj = k + j * ks;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0; c < dv; c++) acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), acc);
+    buf[j] = tree8_avx2(acc) * scale;
+  }
+  float m = -INFINITY;
+  for (j = 0; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(buf + j));
+  {
+    float tmp[8];
+    _mm256_storeu_ps(tmp, mv);
+    for (int i = 0; i < 8; i++) m = std::fmax(m, tmp[i]);  // max is exact: any order
+    for (; j < n; j++) m = std::fmax(m, buf[j]);
+  }
+  const __m256 mb = _mm256_set1_ps(m);
+  __m256 zv = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(buf + j), mb));
+    _mm256_storeu_ps(buf + j, p);
+    zv = _mm256_add_ps(zv, p);
+  }
+  if (j < n) {  // the tail: lanes past n add nothing (exact: + 0)
+    float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = j; i < n; i++) tmp[i - j] = buf[i] - m;
+    __m256 p = exp_avx2(_mm256_loadu_ps(tmp));
+    _mm256_storeu_ps(tmp, p);
+    for (int64_t i = j; i < n; i++) buf[i] = tmp[i - j];
+    const __m256 valid = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)(n - j)), _CMP_LT_OQ);
+    zv = _mm256_add_ps(zv, _mm256_and_ps(p, valid));
+  }
+  const float z = tree8_avx2(zv);
+  __m256 ov[32];
+  for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_setzero_ps();
+  for (j = 0; j < n; j++) {
+    const __m256 p = _mm256_set1_ps(buf[j]);
+    const float* vj = v + j * vs;
+    for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), ov[c]);
+  }
+  const __m256 zb = _mm256_set1_ps(z);
+  for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(out + 8 * c, _mm256_div_ps(ov[c], zb));
+}
+#endif
+
+int64_t attention_isa() {  // 0 scalar, 1 AVX2 (+FMA); ATEN_CPU_CAPABILITY=default caps it as PyTorch's
+#ifdef DFLASH_X86
+  static const int64_t isa = [] {
+    const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+    if (cap && std::strcmp(cap, "default") == 0) return (int64_t)0;
+    __builtin_cpu_init();
+    return (int64_t)(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0);
+  }();
+  return isa;
+#else
+  return 0;
+#endif
+}
+
+// q [T, H, D]; k, v [Hkv, S, D] (any strides with a contiguous last dim), keys 0 .. start + T - 1 written.
+torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
+                               double scale, int64_t isa) {
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, "causal_attention takes q [T, H, D], k/v [Hkv, S, D]");
+  TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32, "float32 keys and values");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "keys and values need a contiguous last dimension");
+  const int64_t t = q_in.size(0), h = q_in.size(1), d = q_in.size(2), hkv = k.size(0);
+  TORCH_CHECK(h % hkv == 0 && k.size(2) == d && v.size(2) == d && v.size(0) == hkv, "head shapes do not match");
+  TORCH_CHECK(start + t <= k.size(1), "queries past the cache: ", start + t, " > ", k.size(1));
+  const int64_t best = attention_isa();
+  if (isa < 0) isa = best;
+  TORCH_CHECK(isa <= best, "this CPU lacks the AVX2 attention path");
+  const bool vec = isa >= 1 && d % 8 == 0 && d <= 256;
+  torch::Tensor q = q_in.to(torch::kFloat32).contiguous();
+  auto out = torch::empty({t, h * d}, torch::kFloat32);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ks = k.stride(1), vs = v.stride(1), khs = k.stride(0), vhs = v.stride(0), group = h / hkv;
+  // about 64k multiply-adds per task before a second thread pays for waking
+  const int64_t work = (start + t) * d * 2;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(work, 1));
+  at::parallel_for(0, t * h, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(start + t + 8);
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t qi = i / h, hi = i % h, g = hi / group, n = start + qi + 1;
+      const float* qv = qp + (qi * h + hi) * d;
+      float* o = op + qi * h * d + hi * d;
+#ifdef DFLASH_X86
+      if (vec) {
+        query_avx2(qv, kp + g * khs, ks, vp + g * vhs, vs, n, d, (float)scale, buf.data(), o);
+        continue;
+      }
+#endif
+      query_scalar(qv, kp + g * khs, ks, vp + g * vhs, vs, n, d, (float)scale, buf.data(), o);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dflash, m) {
+  m.def("causal_attention(Tensor q, Tensor k, Tensor v, int start, float scale, int isa=-1) -> Tensor");
+  m.impl("causal_attention", torch::kCPU, &causal_attention);
+}

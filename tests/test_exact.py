@@ -1,0 +1,104 @@
+"""On the block formats (q4_0, q4_1, q8_0) the whole forward is batch-invariant: a verify pass computes
+each row exactly as a decode step does, so speculative greedy output equals target-only greedy output bit
+for bit, with no near-tie to skip."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash_torch import loading
+from dflash_torch.drafter import load_drafter
+from dflash_torch.quantize import exact_prefill, quantize_blocks
+from dflash_torch.speculative import Stats, generate_tokens
+
+from .conftest import make_drafter
+from .test_lossless import OracleDrafter
+
+pytestmark = pytest.mark.fastpath
+FORMATS = ("q4_0", "q8_0", "q4_1")
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_models, tmp_path_factory):
+    """{fmt: [(kind, target, drafter)]}: the tiny targets and random drafters with block weights."""
+    base = tmp_path_factory.mktemp("exact")
+    out = {}
+    for fmt in FORMATS:
+        out[fmt] = []
+        for kind, path in tiny_models.items():
+            target = quantize_blocks(loading.load_target(path, torch.device("cpu"), torch.float32), fmt)
+            exact_prefill(target)  # as generate.load does for quantized targets: prefills attend as decode too
+            drafter = quantize_blocks(load_drafter(make_drafter(path, base / f"{fmt}-{kind}", block_size=16)), fmt)
+            out[fmt].append((kind, target, drafter))
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@torch.inference_mode()
+def test_verify_rows_equal_decode_steps(quantized, fmt):
+    """Logits and tap features of a T-token pass at any position == T one-token passes, bit for bit
+    (T = 33: a prefill's size, past the verify blocks)."""
+    rng = random.Random(1)
+    for kind, target, drafter in quantized[fmt]:
+        taps = drafter.target_layer_ids
+        for t in (2, 5, 16, 33):
+            prompt = [rng.randrange(255) for _ in range(rng.randint(1, 30))]
+            block = [rng.randrange(255) for _ in range(t)]
+            wide_cache, step_cache = target.new_cache(80), target.new_cache(80)
+            target(torch.tensor([prompt]), wide_cache, logits=None)
+            target(torch.tensor([prompt]), step_cache, logits=None)
+            wide = target(torch.tensor([block]), wide_cache, logits="all", taps=taps)
+            steps = [target(torch.tensor([[b]]), step_cache, logits="all", taps=taps) for b in block]
+            assert torch.equal(wide.logits, torch.cat([s.logits for s in steps], dim=1)), (kind, t)
+            assert torch.equal(wide.hidden, torch.cat([s.hidden for s in steps], dim=1)), (kind, t)
+
+
+@pytest.mark.parametrize("fmt", ("q4_0", "q8_0"))
+def test_speculative_equals_target_only_bit_for_bit(quantized, fmt):
+    """36 random prompts per family x 3 families (108) x block sizes {2, 4, 8, 16}, every case checked:
+    the random drafter (mostly rejected: the bonus token comes from a verify row), an oracle drafter
+    (long accepted runs), and prompt lookup on repetitive prompts."""
+    rng = random.Random(fmt)
+    checked = accepted = 0
+    for kind, target, drafter in quantized[fmt]:
+        for i in range(36):
+            base = [rng.randrange(255) for _ in range(rng.randint(1, 8))]
+            prompt = base * rng.randint(1, 3)  # repeats give prompt lookup something to find
+            n = rng.randint(8, 28)
+            want = list(generate_tokens(target, prompt, max_new_tokens=n))
+            for bs in (2, 4, 8, 16):
+                if i % 3 == 0:
+                    d = drafter
+                else:
+                    d = OracleDrafter(want, len(prompt), 256, 0.2, bs, seed=i * 16 + bs)
+                    d.target_layer_ids = drafter.target_layer_ids
+                stats = Stats()
+                got = list(generate_tokens(target, prompt, max_new_tokens=n, drafter=d, block_size=bs,
+                                           stats=stats, lookup=i % 2 == 1))
+                assert got == want, (fmt, kind, i, bs)
+                checked += 1
+                accepted += stats.accepted_tokens
+    assert checked == 3 * 36 * 4
+    assert accepted > checked  # the drafts were really kept, often
+
+
+@pytest.mark.parametrize("fmt", ("q4_0", "q4_1"))
+@torch.inference_mode()
+def test_flat_path_equals_layer_modules(quantized, fmt):
+    """The flat (scripted) decode path and the layer modules compute the same bits on block weights, for
+    decode steps, verify blocks and prefills."""
+    rng = random.Random(2)
+    for kind, target, _ in quantized[fmt]:
+        for t in (1, 7, 40):
+            prompt = [rng.randrange(255) for _ in range(t)]
+            outs = []
+            for flat in (True, False):
+                target.flat = flat
+                cache = target.new_cache(64)
+                target(torch.tensor([[3, 4]]), cache, logits=None)
+                outs.append(target(torch.tensor([prompt]), cache, logits="all").logits)
+            target.flat = True
+            assert torch.equal(outs[0], outs[1]), (kind, t)
