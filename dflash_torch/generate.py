@@ -56,8 +56,8 @@ class Pipeline:
     draft_path: Path | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
-    quantize: str | None = None  # "int8" / "int4": the target's and drafter's linear layers, weight-only
-    lm_head: str | None = None  # the target's LM head: "int8" / "int4", None = as loaded
+    quantize: str | None = None  # "q4_0" / "q4_1" / "q8_0" / "int8" / "int4": the target's and drafter's linear layers
+    lm_head: str | None = None  # the target's LM head's format, None = as loaded
     # The target's prefills attend one query at a time (set by `load` for quantized targets, see there)
     exact_prefill: bool = False
 
@@ -181,13 +181,20 @@ def load(
     target = loading.load_target(path, dev, dt)
     quantizer = None
     if quantize is not None:
-        if quantize not in ("int8", "int4"):
-            raise ValueError(f"unknown quantization {quantize!r} (choose auto, none, int8 or int4)")
-        if quantize == "int4" and dev.type != "cpu":
-            raise ValueError(f"--quantize int4 uses a CPU-only kernel; on {dev} use --quantize int8")
-        from .quantize import quantize_int4, quantize_int8
+        from .quantize import BLOCK_FORMATS, quantize_blocks, quantize_int4, quantize_int8
 
-        quantizer = quantize_int4 if quantize == "int4" else quantize_int8
+        if quantize not in ("int8", "int4", *BLOCK_FORMATS):
+            raise ValueError(f"unknown quantization {quantize!r} (choose auto, none, {', '.join(BLOCK_FORMATS)}, "
+                             "int8 or int4)")
+        if quantize in ("int4", *BLOCK_FORMATS) and dev.type != "cpu":
+            raise ValueError(f"--quantize {quantize} uses a CPU-only kernel; on {dev} use --quantize int8")
+        if quantize in BLOCK_FORMATS:
+            fmt = quantize
+
+            def quantizer(model, head=None):
+                return quantize_blocks(model, fmt, head=head)
+        else:
+            quantizer = quantize_int4 if quantize == "int4" else quantize_int8
         quantizer(target, head=head)
     from .quantize import exact_prefill
 
