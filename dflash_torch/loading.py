@@ -225,7 +225,8 @@ def auto_quantize(config: dict, device: torch.device) -> tuple[str | None, str |
     layers, head = stored_types(config)
     if device.type != "cpu" or layers is None:
         return None, None
-    layers, head = _kernel_for(layers), _kernel_for(head) if layers else None
+    layers = _kernel_for(layers)
+    head = _kernel_for(head) if layers else None
     if layers in ("q4_0", "q4_1", "q8_0"):
         from . import kernels
 

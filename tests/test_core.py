@@ -311,26 +311,29 @@ def test_default_model_generates_text(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.glob("models/*/model.safetensors"))  # converted once, into the cache
     assert main(args) == 0  # reused
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"] == out["token_ids"]
-    # --quantize auto (the default): the GGUF stores Q4_1, so on a CPU the int4 kernels, said once
+    # --quantize auto (the default): the GGUF stores Q4_1 (its head Q8_0), so on a CPU those blocks on the block
+    # kernels, said once
     config = json.loads(next(tmp_path.glob("models/*/config.json")).read_text())
     assert config["gguf_weight_types"] == {"Q4_1": 210, "head": "Q8_0"}  # 7 matrices x 30 layers; tied head
     assert main(args) == 0
-    assert "int4 weights, LM head int8 (the GGUF file stores Q4_1, its LM head Q8_0" in capsys.readouterr().err
+    assert "q4_1 weights, LM head q8_0 (the GGUF file stores Q4_1, its LM head Q8_0" in capsys.readouterr().err
     from dflash_torch.generate import load
 
     assert load(None, None, "cpu", quiet=True).quantize is None  # the library's default: as loaded
-    from dflash_torch.quantize import Int4Linear, Int8Linear
+    from dflash_torch.quantize import BlockLinear, Int4Linear
 
     auto = load(None, None, "cpu", quiet=True, quantize="auto")
-    assert auto.quantize == "int4" and auto.lm_head == "int8" and isinstance(auto.target.lm_head, Int8Linear)
-    assert isinstance(auto.target.model.layers[0].mlp.down_proj, Int4Linear)
+    assert auto.quantize == "q4_1" and auto.lm_head == "q8_0"
+    assert isinstance(auto.target.lm_head, BlockLinear) and auto.target.lm_head.fmt == "q8_0"
+    assert isinstance(auto.target.model.layers[0].mlp.down_proj, BlockLinear)
+    assert auto.target.model.layers[0].mlp.down_proj.fmt == "q4_1"
     assert isinstance(load(None, None, "cpu", quiet=True, quantize="int4").target.lm_head, Int4Linear)
     assert load(None, None, "cpu", quiet=True, quantize="none").quantize is None
     # a cache converted before the field existed gets it on its next use
     path = next(tmp_path.glob("models/*/config.json"))
     config.pop("gguf_weight_types")
     path.write_text(json.dumps(config))
-    assert load(None, None, "cpu", quiet=True, quantize="auto").quantize == "int4"
+    assert load(None, None, "cpu", quiet=True, quantize="auto").quantize == "q4_1"
     assert json.loads(path.read_text())["gguf_weight_types"]
 
 
@@ -338,10 +341,11 @@ def test_auto_quantize_follows_the_stored_precision():
     from dflash_torch.loading import auto_quantize
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert auto_quantize({"gguf_weight_types": {"Q4_1": 200, "Q6_K": 10, "head": "Q8_0"}}, cpu) == ("int4", "int8")
+    assert auto_quantize({"gguf_weight_types": {"Q4_1": 200, "Q6_K": 10, "head": "Q8_0"}}, cpu) == ("q4_1", "q8_0")
     assert auto_quantize({"gguf_weight_types": {"Q4_K": 180, "Q6_K": 30, "head": "Q4_K"}}, cpu) == ("int4", "int4")
-    assert auto_quantize({"gguf_weight_types": {"Q4_0": 210, "head": "F16"}}, cpu) == ("int4", None)
-    assert auto_quantize({"gguf_weight_types": {"Q8_0": 210, "head": "Q8_0"}}, cpu) == ("int8", "int8")
+    assert auto_quantize({"gguf_weight_types": {"Q4_0": 210, "head": "F16"}}, cpu) == ("q4_0", None)
+    assert auto_quantize({"gguf_weight_types": {"Q8_0": 210, "head": "Q8_0"}}, cpu) == ("q8_0", "q8_0")
+    assert auto_quantize({"gguf_weight_types": {"Q5_K": 210, "head": "Q6_K"}}, cpu) == ("int8", "int8")
     assert auto_quantize({"gguf_weight_types": {"F16": 210, "head": "Q8_0"}}, cpu) == (None, None)
     assert auto_quantize({"gguf_weight_types": {"Q4_1": 210, "head": "Q8_0"}}, cuda) == (None, None)  # CPU kernels
     assert auto_quantize({"model_type": "llama"}, cpu) == (None, None)  # not from a GGUF file: as loaded

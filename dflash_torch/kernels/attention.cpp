@@ -107,13 +107,32 @@ DFLASH_AVX2 inline __m256 exp_avx2(__m256 x) {
   return _mm256_and_ps(_mm256_castsi256_ps(bits), keep);
 }
 
+template <int dv>  // head dim / 8, known at compile time so that the vectors stay in registers
 DFLASH_AVX2 void query_avx2(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t n,
-                            int64_t d, float scale, float* buf, float* out) {
-  const int64_t dv = d / 8;  // d % 8 == 0 here
-  __m256 qv[32];             // d <= 256
+                            float scale, float* buf, float* out) {
+  __m256 qv[dv];
   for (int64_t c = 0; c < dv; c++) qv[c] = _mm256_loadu_ps(q + 8 * c);
   __m256 mv = _mm256_set1_ps(-INFINITY);
   int64_t j = 0;
+  const __m256 sc = _mm256_set1_ps(scale);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // lanes hold keys 0 2 4 6 1 3 5 7
+  for (; j + 8 <= n; j += 8) {  // 8 keys at once, their 8-lane sums reduced together by the same tree
+    __m256 a[8];
+    for (int u = 0; u < 8; u++) {
+      const float* kj = k + (j + u) * ks;
+      a[u] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < dv; c++) a[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), a[u]);
+    }
+    __m256 b[4];  // keys 2i, 2i+1: [l0+l4 .. l3+l7 | l0+l4 .. l3+l7]
+    for (int i = 0; i < 4; i++)
+      b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                           _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    // [(l0+l4)+(l2+l6), (l1+l5)+(l3+l7)] per key, keys (0, 2 | 1, 3) and (4, 6 | 5, 7)
+    const __m256 c0 = _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x44), _mm256_shuffle_ps(b[0], b[1], 0xee));
+    const __m256 c1 = _mm256_add_ps(_mm256_shuffle_ps(b[2], b[3], 0x44), _mm256_shuffle_ps(b[2], b[3], 0xee));
+    const __m256 dots = _mm256_hadd_ps(c0, c1);  // keys 0 2 4 6 | 1 3 5 7
+    _mm256_storeu_ps(buf + j, _mm256_mul_ps(_mm256_permutevar8x32_ps(dots, order), sc));
+  }
   for (; j < n; j++) {
     const float* kj = k + j * ks;
     __m256 acc = _mm256_setzero_ps();
@@ -145,7 +164,7 @@ DFLASH_AVX2 void query_avx2(const float* q, const float* k, int64_t ks, const fl
     zv = _mm256_add_ps(zv, _mm256_and_ps(p, valid));
   }
   const float z = tree8_avx2(zv);
-  __m256 ov[32];
+  __m256 ov[dv];
   for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_setzero_ps();
   for (j = 0; j < n; j++) {
     const __m256 p = _mm256_set1_ps(buf[j]);
@@ -183,7 +202,12 @@ torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k
   const int64_t best = attention_isa();
   if (isa < 0) isa = best;
   TORCH_CHECK(isa <= best, "this CPU lacks the AVX2 attention path");
-  const bool vec = isa >= 1 && d % 8 == 0 && d <= 256;
+  using Query = void (*)(const float*, const float*, int64_t, const float*, int64_t, int64_t, float, float*, float*);
+  Query vec = nullptr;
+#ifdef DFLASH_X86
+  if (isa >= 1) vec = d == 64 ? query_avx2<8> : d == 128 ? query_avx2<16> : d == 32 ? query_avx2<4>
+                    : d == 16 ? query_avx2<2> : d == 256 ? query_avx2<32> : d == 96 ? query_avx2<12> : nullptr;
+#endif
   torch::Tensor q = q_in.to(torch::kFloat32).contiguous();
   auto out = torch::empty({t, h * d}, torch::kFloat32);
   const float* qp = q.data_ptr<float>();
@@ -202,7 +226,7 @@ torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k
       float* o = op + qi * h * d + hi * d;
 #ifdef DFLASH_X86
       if (vec) {
-        query_avx2(qv, kp + g * khs, ks, vp + g * vhs, vs, n, d, (float)scale, buf.data(), o);
+        vec(qv, kp + g * khs, ks, vp + g * vhs, vs, n, (float)scale, buf.data(), o);
         continue;
       }
 #endif
