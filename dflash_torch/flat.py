@@ -93,6 +93,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * x.to(dtype)
 
 
+def norm(x: torch.Tensor, w: torch.Tensor, eps: float, kernel: bool) -> torch.Tensor:
+    """RMSNorm as layers.RMSNorm computes it with `kernel` set (kernels/norm.cpp) or not."""
+    if kernel and x.dtype == torch.float32:
+        return torch.ops.dflash.rms_norm(x, w, eps, -1)
+    return rms_norm(x, w, eps)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     # rope.apply_rotary for x [T, N, D], cos/sin [T, 1, Dr] (Dr < D: partial rotary). In full, rotate_half(x)
     # * sin = [-x2, x1] * sin = roll(x) * [-sin1, sin2] (a product's sign is exact): 4 operators, not 6.

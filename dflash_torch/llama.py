@@ -337,7 +337,7 @@ class FlatLayers(nn.Module):
         tapped: list[torch.Tensor] = []
         for i in range(keys.shape[0]):
             ls = self.lins[i * n : (i + 1) * n]
-            y = flat.rms_norm(x, self.norms[2 * i], eps)
+            y = flat.norm(x, self.norms[2 * i], eps, self.exact_kernel)
             if self.fused_qkv and len(self.qk_norms) == 0:  # q and k heads rotated in one pass, as Attention does
                 qkv = flat.linear(y, ls[0])  # [T, (H + 2 Hkv) * D]
                 qk = flat.rotate(qkv[:, :nqk].view(t, h + hkv, d), cos, sin, signed_sin)  # [T, H + Hkv, D]
@@ -350,7 +350,8 @@ class FlatLayers(nn.Module):
                     q, k, v = flat.linear(y, ls[0]), flat.linear(y, ls[1]), flat.linear(y, ls[2])
                 q, k, v = q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
                 if len(self.qk_norms) > 0:
-                    q, k = flat.rms_norm(q, self.qk_norms[2 * i], eps), flat.rms_norm(k, self.qk_norms[2 * i + 1], eps)
+                    q, k = (flat.norm(q, self.qk_norms[2 * i], eps, self.exact_kernel),
+                            flat.norm(k, self.qk_norms[2 * i + 1], eps, self.exact_kernel))
                 q, k = flat.rotate(q, cos, sin, signed_sin), flat.rotate(k, cos, sin, signed_sin)
             layer_k, layer_v = keys[i], values[i]  # [1, Hkv, S, D]
             layer_k.narrow(2, pos, t).copy_(k.transpose(0, 1))
@@ -365,7 +366,7 @@ class FlatLayers(nn.Module):
                      for j in range(t)]  # T x [1, H, 1, D]
                 attn = o[0].view(1, h * d) if t == 1 else torch.cat(o, dim=2).transpose(1, 2).reshape(t, h * d)
             x = flat.add_linear(x, attn, ls[-3] if self.fused_mlp else ls[-4])
-            y = flat.rms_norm(x, self.norms[2 * i + 1], eps)
+            y = flat.norm(x, self.norms[2 * i + 1], eps, self.exact_kernel)
             x = flat.add_mlp(x, y, ls[-2:-1] if self.fused_mlp else ls[-3:-1], ls[-1], self.act)
             if i in taps:
                 tapped.append(x)

@@ -29,7 +29,7 @@ from torch import nn
 
 from . import kernels
 from .kernels import pack
-from .layers import Linear
+from .layers import Linear, RMSNorm
 
 BLOCK_FORMATS = pack.FORMATS  # "q4_0", "q4_1", "q8_0"
 
@@ -292,9 +292,13 @@ def quantize_blocks(model: nn.Module, fmt: str, fuse: bool = True, head: str | N
     if isinstance(lm, nn.Linear) and block_fits(lm):
         model.lm_head = BlockLinear(lm, head)
     _replace_linears(model, lambda lin: BlockLinear(lin, fmt) if block_fits(lin) else None)
-    for m in model.modules():  # attention whose result for a query does not depend on the pass
-        if hasattr(m, "exact_kernel") and getattr(m, "no_window", False):
-            m.exact_kernel = True
+    attentions = [m for m in model.modules() if hasattr(m, "exact_kernel") and getattr(m, "no_window", False)]
+    for m in attentions:  # attention whose result for a query does not depend on the pass
+        m.exact_kernel = True
+    if attentions and hasattr(model, "model"):  # a target whose flat path takes them: its norms as one pass too
+        for m in model.modules():
+            if isinstance(m, RMSNorm):
+                m.kernel = True
     return exact_verify(model)
 
 

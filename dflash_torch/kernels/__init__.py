@@ -1,5 +1,6 @@
 """CPU kernels whose result for a row does not depend on the other rows of the call: GGUF Q4_0 / Q4_1 /
-Q8_0 weights times 8-bit activations (blocks.cpp), and causal attention over a KV cache (attention.cpp).
+Q8_0 weights times 8-bit activations (blocks.cpp), causal attention over a KV cache (attention.cpp) and
+RMSNorm (norm.cpp).
 
 `ensure()` builds the C++ extension once with `torch.utils.cpp_extension` (ninja) into the user cache
 and registers its ops as `torch.ops.dflash.*`; later processes load the cached build. Where no compiler
@@ -36,10 +37,12 @@ def _compile() -> None:
     from torch.utils import cpp_extension
 
     here = Path(__file__).parent
-    sources = [str(here / "blocks.cpp"), str(here / "attention.cpp")]
-    # -ffp-contract=off: no multiply-add fused behind our back, so every path rounds each step as written
+    sources = [str(here / name) for name in ("blocks.cpp", "attention.cpp", "norm.cpp")]
+    # -ffp-contract=off: no multiply-add fused behind our back, so every path rounds each step as written;
+    # -fopenmp: at::parallel_for then runs on PyTorch's own OpenMP threads (without it, on a slower path)
     cpp_extension.load(name="dflash_blocks", sources=sources, build_directory=str(_build_dir()),
-                       extra_cflags=["-O3", "-ffp-contract=off"], is_python_module=False, verbose=False)
+                       extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=False)
 
 
 def _register_reference() -> None:
@@ -52,6 +55,8 @@ def _register_reference() -> None:
     lib.impl("best_isa", lambda: -1, "CompositeExplicitAutograd")
     lib.define("causal_attention(Tensor q, Tensor k, Tensor v, int start, float scale, int isa=-1) -> Tensor")
     lib.impl("causal_attention", reference.causal_attention, "CPU")
+    lib.define("rms_norm(Tensor x, Tensor w, float eps, int isa=-1) -> Tensor")
+    lib.impl("rms_norm", reference.rms_norm, "CPU")
     _state["library"] = lib  # the registration lives as long as this object
 
 
@@ -68,7 +73,8 @@ def ensure() -> str:
             _compile()
             backend, why = "compiled", ""
         except Exception as e:  # no compiler, no ninja, no headers: the reference serves
-            why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+            lines = str(e).strip().splitlines() or [""]
+            why = f"{type(e).__name__}: {next((x for x in lines if 'error' in x.lower()), lines[-1]).strip()}"
     if backend == "reference":
         warnings.warn(f"dflash: the C++ block kernels are not available ({why}); using the PyTorch reference, "
                       "which computes the same results far more slowly (install a C++ compiler and ninja)",

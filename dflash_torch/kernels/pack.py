@@ -57,7 +57,8 @@ def pack(raw: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "q4_1":
         parts.append(blk[..., 2:4].reshape(groups, nb, 2 * GROUP))
     q = QUANTS[fmt]  # the quants in chunks of 4 bytes, chunk-major: chunk j of column c at 32 j + 4 c
-    parts.append(blk[..., hb:].reshape(groups, nb, GROUP, q // 4, 4).transpose(2, 3).reshape(groups, nb, GROUP * q))
+    chunks = blk[..., hb:].reshape(groups, nb, GROUP, q // 4, 4).transpose(2, 3)  # [G, nb, q / 4, 8, 4]
+    parts.append(chunks.reshape(groups, nb, GROUP * q))
     return torch.cat(parts, dim=-1).reshape(-1).contiguous()
 
 
@@ -69,7 +70,8 @@ def unpack(packed: torch.Tensor, fmt: str, n: int, k: int) -> torch.Tensor:
     parts = [d]
     if fmt == "q4_1":
         parts.append(rec[..., 2 * GROUP : 4 * GROUP].reshape(groups, nb, GROUP, 2))
-    parts.append(rec[..., -GROUP * q :].reshape(groups, nb, q // 4, GROUP, 4).transpose(2, 3).reshape(groups, nb, GROUP, q))
+    chunks = rec[..., -GROUP * q :].reshape(groups, nb, q // 4, GROUP, 4).transpose(2, 3)  # [G, nb, 8, q / 4, 4]
+    parts.append(chunks.reshape(groups, nb, GROUP, q))
     blk = torch.cat(parts, dim=-1).permute(0, 2, 1, 3)  # [G, 8, nb, bs]
     return blk.reshape(groups * GROUP, nb * block_bytes(fmt))[:n].contiguous()
 

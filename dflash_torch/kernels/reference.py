@@ -56,3 +56,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
                                            v[None, :, : start + i + 1], scale=scale, enable_gqa=hkv != h)
             for i in range(t)]  # T x [1, H, 1, D]
     return torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(t, h * d)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, isa: int = -1) -> torch.Tensor:
+    """w * (x * (1 / sqrt(mean(x^2) + eps))) per row (norm.cpp's formula; its sums in another order)."""
+    return w * (x * (1.0 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
