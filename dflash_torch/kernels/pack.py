@@ -4,8 +4,9 @@ A GGUF tensor of one of these types is, per output row, K/32 blocks: an fp16 sca
 fp16 minimum m) and the 32 values' quants (Q4: 16 bytes, value j in the low nibble of byte j and value
 j + 16 in its high nibble, w = d * (q - 8) for Q4_0 and d * q + m for Q4_1; Q8_0: 32 signed bytes,
 w = d * q). `pack` reorders those bytes, unchanged, into records of 8 output columns per block
-(blocks.cpp explains the record; llama.cpp repacks its Q4_0 for its CPU kernels alike); `unpack` is its inverse. Floats are quantized into blocks by the
-`gguf` package's own quantizer, which reproduces llama.cpp's reference quantization.
+(blocks.cpp explains the record; llama.cpp repacks its Q4_0 for its CPU kernels alike); `unpack` is
+its inverse. Floats are quantized into blocks by the `gguf` package's own quantizer, which reproduces
+llama.cpp's reference quantization.
 """
 
 from __future__ import annotations
