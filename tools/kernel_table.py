@@ -109,11 +109,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp's batch scaling")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     kern = kernel_rows(rows)
-    lc = llamacpp_rows(rows, args.threads)
+    lc = [] if args.no_llamacpp else llamacpp_rows(rows, args.threads)
     print(f"\nthreads {args.threads}; us per call (x = over M=1 of the same kernel)")
     print(f"{'layer':>8} {'shape':>10} {'M':>3} {'q4_0':>14} {'q4_1':>14} {'torch int4':>14}")
     base = {}

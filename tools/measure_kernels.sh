@@ -14,10 +14,14 @@ for q in q4_0 q4_1 int4; do
   $dflash profile --quantize $q --repeats 20 --json > "$out/profile-$q.txt" 2>&1
   tail -1 "$out/profile-$q.txt"
 done
-$py tools/kernel_table.py --threads 2 --json "$out/kernel_table.json" > "$out/kernel_table.txt" 2>&1
+# PEER=0: without llama.cpp (a llama-cpp-python built for another CPU dies of an illegal instruction)
+peer=${PEER:-1}
+$py tools/kernel_table.py --threads 2 --json "$out/kernel_table.json" $([ "$peer" = 1 ] || echo --no-llamacpp) \
+  > "$out/kernel_table.txt" 2>&1
 tail -40 "$out/kernel_table.txt"
 $dflash bench --suite all --limit 1 --max-tokens 512,1024 --repeats 1 --ignore-eos --fallback --adaptive \
-  --quantize auto --peer llamacpp --peer-interleave --out "$out/bench" --json > "$out/bench.txt" 2>&1
+  --quantize auto $([ "$peer" = 1 ] && echo --peer llamacpp --peer-interleave) --out "$out/bench" --json \
+  > "$out/bench.txt" 2>&1
 tail -20 "$out/bench.txt"
 $py tools/activation_nll.py --texts 50 --tokens 256 --formats none,auto,q8_0,q4_0,int4 > "$out/nll.txt" 2>&1
 tail -8 "$out/nll.txt"
