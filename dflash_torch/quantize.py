@@ -295,7 +295,7 @@ def quantize_blocks(model: nn.Module, fmt: str, fuse: bool = True, head: str | N
     attentions = [m for m in model.modules() if hasattr(m, "exact_kernel") and getattr(m, "no_window", False)]
     for m in attentions:  # attention whose result for a query does not depend on the pass
         m.exact_kernel = True
-    if attentions and hasattr(model, "model"):  # a target whose flat path takes them: its norms as one pass too
+    if attentions:  # a Llama-family target (its flat path reads these flags): its norms in one pass too
         for m in model.modules():
             if isinstance(m, RMSNorm):
                 m.kernel = True
