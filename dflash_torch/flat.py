@@ -77,6 +77,8 @@ def add_linear(r: torch.Tensor, x: torch.Tensor, spec: LinearSpec
     """r + _linear(x, spec), bit for bit, with a quantized kernel's bfloat16 output added as it is: adding
     promotes it to r's dtype exactly as the cast back would (one operator fewer)."""
     kind, w, sz, b, group = spec
+    if b is None and kind == 4 and r.dtype == torch.float32:  # the add inside the kernel's output loop
+        return torch.ops.dflash.block_mm_add(x, w, group % 8, group // 8, r, -1)
     if b is None and kind == 3:
         return r + torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w, group, sz)
     if b is None and kind == 1:

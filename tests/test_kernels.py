@@ -236,3 +236,17 @@ def test_attention_reads_strided_caches():
     k, v = cache_k[1, 0, :, :20], cache_v[1, 0, :, :20]
     got = torch.ops.dflash.causal_attention(q, k, v, 16, 0.2, -1)
     assert torch.equal(got, torch.ops.dflash.causal_attention(q, k.contiguous(), v.contiguous(), 16, 0.2, -1))
+
+
+@pytest.mark.parametrize("fmt", pack.FORMATS)
+def test_residual_add_inside_the_kernel_equals_adding_after(fmt):
+    """block_mm_add(x, W, r) == r + block_mm(x, W), bit for bit, on every path (the flat decode step adds
+    the residual inside the kernel; the layer modules add it after)."""
+    gen = torch.Generator().manual_seed(10)
+    code = pack.FORMATS.index(fmt)
+    for m, n, k in ((1, 24, 64), (7, 13, 96), (66, 40, 32)):
+        p = pack.pack(pack.quantize(torch.randn(n, k, generator=gen), fmt), fmt)
+        x, r = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
+        for isa in _isas():
+            want = r + kernels.block_mm(x, p, code, n, isa)
+            assert torch.equal(torch.ops.dflash.block_mm_add(x, p, code, n, r, isa), want), (m, n, k, isa)

@@ -51,6 +51,8 @@ def _register_reference() -> None:
     lib.define("quantize_act(Tensor x, int isa=-1) -> (Tensor, Tensor, Tensor)")
     lib.define("best_isa() -> int")
     lib.impl("block_mm", reference.block_mm, "CPU")
+    lib.define("block_mm_add(Tensor x, Tensor packed, int fmt, int n, Tensor residual, int isa=-1) -> Tensor")
+    lib.impl("block_mm_add", lambda x, p, fmt, n, r, isa=-1: r + reference.block_mm(x, p, fmt, n), "CPU")
     lib.impl("quantize_act", lambda x, isa=-1: reference.quantize_act(x), "CPU")
     lib.impl("best_isa", lambda: -1, "CompositeExplicitAutograd")
     lib.define("causal_attention(Tensor q, Tensor k, Tensor v, int start, float scale, int isa=-1) -> Tensor")

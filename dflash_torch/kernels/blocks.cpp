@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -131,6 +132,7 @@ struct Rows {  // quantized activations of the rows of one tile
   const int8_t* q;   // [rows, K]
   const float* d;    // [rows, nb]
   const int32_t* s;  // [rows, nb]
+  const float* ds;   // [rows, nb]: d * float(s), Q4_1's minimum term
   int64_t k, nb;
 };
 
@@ -169,7 +171,7 @@ void tile_scalar(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64
         if (fmt == Q4_0) isum -= 8 * sx;
         const float dd = dx * dw[c];
         a[c] = a[c] + (float)isum * dd;
-        if (fmt == Q4_1) a[c] = a[c] + mw[c] * (dx * (float)sx);
+        if (fmt == Q4_1) a[c] = a[c] + mw[c] * x.ds[r * x.nb + b];
       }
     }
   }
@@ -180,12 +182,16 @@ void tile_scalar(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64
 // column) and multiply each by 4 of the row's values broadcast to all columns, so every int32 lane sums
 // one column's products: the block sums come out per column, with no horizontal adds.
 
+// the row's scale, quant sum and scale * sum broadcast straight from memory (load ports, not shuffles)
 #define DFLASH_FLOAT_STEP_AT(row)                                                                 \
-  if (fmt == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * sx));                      \
+  const int64_t at = (row) * x.nb + b;                                                            \
+  if (fmt == Q4_0)                                                                                \
+    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(                                              \
+        _mm256_castps_si256(_mm256_broadcast_ss((const float*)(x.s + at))), 3)); /* 8 * sx */     \
   float* a = acc + ((row) - r0) * GROUP;                                                          \
-  const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(dx), dw);                                        \
+  const __m256 dd = _mm256_mul_ps(_mm256_broadcast_ss(x.d + at), dw);                             \
   __m256 av = _mm256_add_ps(_mm256_loadu_ps(a), _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dd));     \
-  if (fmt == Q4_1) av = _mm256_add_ps(av, _mm256_mul_ps(mw, _mm256_set1_ps(dx * (float)sx)));     \
+  if (fmt == Q4_1) av = _mm256_add_ps(av, _mm256_mul_ps(mw, _mm256_broadcast_ss(x.ds + at)));     \
   _mm256_storeu_ps(a, av);
 
 #define DFLASH_TILE_BODY(Q4_SUM, Q8_SUM, Q4_SUM4)                                                \
@@ -215,16 +221,12 @@ void tile_scalar(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64
         for (int u = 0; u < 4; u++) {                                                             \
           const int64_t rr = r + u;                                                               \
           __m256i isum = isum4[u];                                                                \
-          const float dx = x.d[rr * x.nb + b];                                                    \
-          const int32_t sx = x.s[rr * x.nb + b];                                                  \
           DFLASH_FLOAT_STEP_AT(rr)                                                                \
         }                                                                                         \
       }                                                                                           \
     }                                                                                             \
     for (; r < r1; r++) {                                                                         \
       const int8_t* xb = x.q + r * x.k + b * QK;                                                  \
-      const float dx = x.d[r * x.nb + b];                                                         \
-      const int32_t sx = x.s[r * x.nb + b];                                                       \
       __m256i isum;                                                                               \
       if (fmt == Q8_0) {                                                                          \
         Q8_SUM                                                                                    \
@@ -384,19 +386,33 @@ void check_packed(const torch::Tensor& packed, int64_t fmt, int64_t n, int64_t k
               " bytes, a ", n, "x", k, " matrix needs ", groups * (k / QK) * group_bytes(fmt));
 }
 
-// y [M, N] = x [M, K] @ W^T
-torch::Tensor block_mm(const torch::Tensor& x_in, const torch::Tensor& packed, int64_t fmt, int64_t n,
-                       int64_t isa) {
+// y [M, N] = x [M, K] @ W^T (+ r [M, N]: a residual added to each output, as `r + y` would)
+torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& packed, int64_t fmt, int64_t n,
+                            int64_t isa, const torch::Tensor* residual) {
   TORCH_CHECK(x_in.dim() == 2, "block_mm takes x [M, K]");
   const int64_t m = x_in.size(0), k = x_in.size(1), nb = k / QK;
   check_packed(packed, fmt, n, k);
   isa = resolve(isa);
   torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
-  auto q = torch::empty({m, k}, torch::kInt8);
-  auto d = torch::empty({m, nb}, torch::kFloat32);
-  auto s = torch::empty({m, nb}, torch::kInt32);
-  quantize_rows(x.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), isa);
-  const Rows rows{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), k, nb};
+  // the activations' quants and scales: scratch reused across calls (no allocation per call)
+  thread_local std::vector<int8_t> qbuf;
+  thread_local std::vector<float> dbuf, dsbuf;
+  thread_local std::vector<int32_t> sbuf;
+  qbuf.resize(m * k);
+  dbuf.resize(m * nb);
+  dsbuf.resize(m * nb);
+  sbuf.resize(m * nb);
+  quantize_rows(x.data_ptr<float>(), m, k, qbuf.data(), dbuf.data(), sbuf.data(), isa);
+  for (int64_t i = 0; i < m * nb; i++) dsbuf[i] = dbuf[i] * (float)sbuf[i];  // Q4_1's d * sum, rounded once
+  const Rows rows{qbuf.data(), dbuf.data(), sbuf.data(), dsbuf.data(), k, nb};
+  const float* rp = nullptr;
+  torch::Tensor r;
+  if (residual != nullptr) {
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == m && residual->size(1) == n &&
+                    residual->scalar_type() == torch::kFloat32, "the residual must be float32 [M, N]");
+    r = residual->contiguous();
+    rp = r.data_ptr<float>();
+  }
   auto y = torch::empty({m, n}, torch::kFloat32);
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -417,12 +433,29 @@ torch::Tensor block_mm(const torch::Tensor& x_in, const torch::Tensor& packed, i
 #endif
           tile_scalar(fmt, wg, nb, rows, t0, t1, acc);
         const int64_t cols = std::min<int64_t>(GROUP, n - g * GROUP);
-        for (int64_t r = t0; r < t1; r++)
-          std::memcpy(yp + r * n + g * GROUP, acc + (r - t0) * GROUP, sizeof(float) * cols);
+        for (int64_t row = t0; row < t1; row++) {
+          float* out = yp + row * n + g * GROUP;
+          const float* a = acc + (row - t0) * GROUP;
+          if (rp != nullptr) {
+            const float* res = rp + row * n + g * GROUP;
+            for (int64_t c = 0; c < cols; c++) out[c] = res[c] + a[c];
+          } else {
+            std::memcpy(out, a, sizeof(float) * cols);
+          }
+        }
       }
     });
   }
   return y;
+}
+
+torch::Tensor block_mm(const torch::Tensor& x, const torch::Tensor& packed, int64_t fmt, int64_t n, int64_t isa) {
+  return block_mm_impl(x, packed, fmt, n, isa, nullptr);
+}
+
+torch::Tensor block_mm_add(const torch::Tensor& x, const torch::Tensor& packed, int64_t fmt, int64_t n,
+                           const torch::Tensor& residual, int64_t isa) {
+  return block_mm_impl(x, packed, fmt, n, isa, &residual);
 }
 
 // The activation quantization alone (for the reference's tests): (q [M, K] int8, d [M, nb], s [M, nb]).
@@ -444,8 +477,10 @@ int64_t isa_available() { return best_isa(); }
 
 TORCH_LIBRARY(dflash, m) {
   m.def("block_mm(Tensor x, Tensor packed, int fmt, int n, int isa=-1) -> Tensor");
+  m.def("block_mm_add(Tensor x, Tensor packed, int fmt, int n, Tensor residual, int isa=-1) -> Tensor");
   m.def("quantize_act(Tensor x, int isa=-1) -> (Tensor, Tensor, Tensor)");
   m.def("best_isa", &isa_available);
   m.impl("block_mm", torch::kCPU, &block_mm);
+  m.impl("block_mm_add", torch::kCPU, &block_mm_add);
   m.impl("quantize_act", torch::kCPU, &quantize_act);
 }
