@@ -331,46 +331,59 @@ class FlatLayers(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: int, keys: torch.Tensor,
                 values: torch.Tensor, taps: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # x [T, H]; cos/sin [T, 1, Dr]; keys/values: the cache [L, 1, Hkv, S, D]
-        t, h, hkv, d, eps = x.shape[0], self.h, self.hkv, self.d, self.eps
-        nqk, n = (h + hkv) * d, self.per_layer
+        h, hkv, d, eps, n = self.h, self.hkv, self.d, self.eps, self.per_layer
         signed_sin = flat.signed(sin)  # [T, 1, Dr]
         tapped: list[torch.Tensor] = []
         for i in range(keys.shape[0]):
             ls = self.lins[i * n : (i + 1) * n]
             y = flat.norm(x, self.norms[2 * i], eps, self.exact_kernel)
-            if self.fused_qkv and len(self.qk_norms) == 0:  # q and k heads rotated in one pass, as Attention does
-                qkv = flat.linear(y, ls[0])  # [T, (H + 2 Hkv) * D]
-                qk = flat.rotate(qkv[:, :nqk].view(t, h + hkv, d), cos, sin, signed_sin)  # [T, H + Hkv, D]
-                q, k, v = qk[:, :h], qk[:, h:], qkv[:, nqk:].view(t, hkv, d)
+            if self.exact_kernel and self.fused_qkv and len(self.qk_norms) == 0 and cos.shape[-1] == d:
+                # rotation, cache writes and attention in one call (kernels/attention.cpp), the same bits
+                # as the operators of the other branch
+                attn = torch.ops.dflash.rope_attention(flat.linear(y, ls[0]), cos, signed_sin, keys[i][0],
+                                                       values[i][0], pos, h, hkv, self.scale)  # [T, H * D]
             else:
-                if self.fused_qkv:
-                    parts = flat.linear(y, ls[0]).split([h * d, hkv * d, hkv * d], -1)
-                    q, k, v = parts[0], parts[1], parts[2]
-                else:
-                    q, k, v = flat.linear(y, ls[0]), flat.linear(y, ls[1]), flat.linear(y, ls[2])
-                q, k, v = q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
-                if len(self.qk_norms) > 0:
-                    q, k = (flat.norm(q, self.qk_norms[2 * i], eps, self.exact_kernel),
-                            flat.norm(k, self.qk_norms[2 * i + 1], eps, self.exact_kernel))
-                q, k = flat.rotate(q, cos, sin, signed_sin), flat.rotate(k, cos, sin, signed_sin)
-            layer_k, layer_v = keys[i], values[i]  # [1, Hkv, S, D]
-            layer_k.narrow(2, pos, t).copy_(k.transpose(0, 1))
-            layer_v.narrow(2, pos, t).copy_(v.transpose(0, 1))
-            if self.exact_kernel:
-                attn = torch.ops.dflash.causal_attention(q, layer_k[0], layer_v[0], pos, self.scale, -1)  # [T, H * D]
-            else:
-                q1 = q.unsqueeze(2)  # [T, H, 1, D]: query j is a [1, H, 1, D] slice, as a decode step's query
-                o = [F.scaled_dot_product_attention(q1.narrow(0, j, 1), layer_k.narrow(2, 0, pos + j + 1),
-                                                    layer_v.narrow(2, 0, pos + j + 1), scale=self.scale,
-                                                    enable_gqa=hkv != h)
-                     for j in range(t)]  # T x [1, H, 1, D]
-                attn = o[0].view(1, h * d) if t == 1 else torch.cat(o, dim=2).transpose(1, 2).reshape(t, h * d)
+                attn = self._attention(i, y, ls, cos, sin, signed_sin, pos, keys, values)
             x = flat.add_linear(x, attn, ls[-3] if self.fused_mlp else ls[-4])
             y = flat.norm(x, self.norms[2 * i + 1], eps, self.exact_kernel)
             x = flat.add_mlp(x, y, ls[-2:-1] if self.fused_mlp else ls[-3:-1], ls[-1], self.act)
             if i in taps:
                 tapped.append(x)
         return x, tapped
+
+    def _attention(self, i: int, y: torch.Tensor, ls: list[flat.LinearSpec], cos: torch.Tensor, sin: torch.Tensor,
+                   signed_sin: torch.Tensor, pos: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention output [T, H * D] from its normed input y [T, H], writing the cache."""
+        t, h, hkv, d, eps = y.shape[0], self.h, self.hkv, self.d, self.eps
+        nqk = (h + hkv) * d
+        if self.fused_qkv and len(self.qk_norms) == 0:  # q and k heads rotated in one pass, as Attention does
+            qkv = flat.linear(y, ls[0])  # [T, (H + 2 Hkv) * D]
+            qk = flat.rotate(qkv[:, :nqk].view(t, h + hkv, d), cos, sin, signed_sin)  # [T, H + Hkv, D]
+            q, k, v = qk[:, :h], qk[:, h:], qkv[:, nqk:].view(t, hkv, d)
+        else:
+            if self.fused_qkv:
+                parts = flat.linear(y, ls[0]).split([h * d, hkv * d, hkv * d], -1)
+                q, k, v = parts[0], parts[1], parts[2]
+            else:
+                q, k, v = flat.linear(y, ls[0]), flat.linear(y, ls[1]), flat.linear(y, ls[2])
+            q, k, v = q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
+            if len(self.qk_norms) > 0:
+                q, k = (flat.norm(q, self.qk_norms[2 * i], eps, self.exact_kernel),
+                        flat.norm(k, self.qk_norms[2 * i + 1], eps, self.exact_kernel))
+            q, k = flat.rotate(q, cos, sin, signed_sin), flat.rotate(k, cos, sin, signed_sin)
+        layer_k, layer_v = keys[i], values[i]  # [1, Hkv, S, D]
+        layer_k.narrow(2, pos, t).copy_(k.transpose(0, 1))
+        layer_v.narrow(2, pos, t).copy_(v.transpose(0, 1))
+        if self.exact_kernel:
+            attn = torch.ops.dflash.causal_attention(q, layer_k[0], layer_v[0], pos, self.scale, -1)  # [T, H * D]
+        else:
+            q1 = q.unsqueeze(2)  # [T, H, 1, D]: query j is a [1, H, 1, D] slice, as a decode step's query
+            o = [F.scaled_dot_product_attention(q1.narrow(0, j, 1), layer_k.narrow(2, 0, pos + j + 1),
+                                                layer_v.narrow(2, 0, pos + j + 1), scale=self.scale,
+                                                enable_gqa=hkv != h)
+                 for j in range(t)]  # T x [1, H, 1, D]
+            attn = o[0].view(1, h * d) if t == 1 else torch.cat(o, dim=2).transpose(1, 2).reshape(t, h * d)
+        return attn
 
 
 # For TorchScript, which cannot read string annotations (this file's are) nor infer the type of an empty

@@ -20,6 +20,7 @@ from dflash_torch.quantize import BlockLinear, fuse_projections
 
 pytestmark = pytest.mark.fastpath
 ROOT = Path(__file__).resolve().parents[1]
+kernels.ensure()  # torch.ops.dflash.* exist from here on (built on first use)
 
 
 def _isas() -> list[int]:
@@ -250,3 +251,28 @@ def test_residual_add_inside_the_kernel_equals_adding_after(fmt):
         for isa in _isas():
             want = r + kernels.block_mm(x, p, code, n, isa)
             assert torch.equal(torch.ops.dflash.block_mm_add(x, p, code, n, r, isa), want), (m, n, k, isa)
+
+
+def test_rope_attention_equals_its_operators():
+    """rope_attention (rotation, cache writes and attention in one call) == flat.rotate, the cache copies and
+    causal_attention as separate operators, bit for bit; the reference writes the same cache."""
+    from dflash_torch import flat
+
+    gen = torch.Generator().manual_seed(11)
+    t, h, hkv, d, start = 5, 4, 2, 16, 9
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=gen)
+    angles = torch.randn(t, 1, d, generator=gen)
+    cos, sin = angles.cos(), angles.sin()
+    signed = flat.signed(sin)
+    k_init, v_init = torch.randn(hkv, 20, d, generator=gen), torch.randn(hkv, 20, d, generator=gen)
+    caches = [(k_init.clone(), v_init.clone()) for _ in range(2)]
+    k0, v0 = k_init.clone(), v_init.clone()
+    got = torch.ops.dflash.rope_attention(qkv, cos, signed, caches[0][0], caches[0][1], start, h, hkv, 0.25)
+    qk = flat.rotate(qkv[:, : (h + hkv) * d].view(t, h + hkv, d), cos, sin, signed)
+    k0[:, start : start + t] = qk[:, h:].transpose(0, 1)
+    v0[:, start : start + t] = qkv[:, (h + hkv) * d :].view(t, hkv, d).transpose(0, 1)
+    assert torch.equal(caches[0][0], k0) and torch.equal(caches[0][1], v0)
+    assert torch.equal(got, torch.ops.dflash.causal_attention(qk[:, :h], k0, v0, start, 0.25, -1))
+    ref = reference.rope_attention(qkv, cos, signed, caches[1][0], caches[1][1], start, h, hkv, 0.25)
+    assert torch.equal(caches[1][0], k0) and torch.equal(caches[1][1], v0)
+    assert (ref - got).abs().max() <= 4 * (start + t + d) * 2.0**-24 * v0.abs().max()

@@ -57,6 +57,9 @@ def _register_reference() -> None:
     lib.impl("best_isa", lambda: -1, "CompositeExplicitAutograd")
     lib.define("causal_attention(Tensor q, Tensor k, Tensor v, int start, float scale, int isa=-1) -> Tensor")
     lib.impl("causal_attention", reference.causal_attention, "CPU")
+    lib.define("rope_attention(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) k, Tensor(b!) v, int start, "
+               "int h, int hkv, float scale) -> Tensor")
+    lib.impl("rope_attention", reference.rope_attention, "CPU")
     lib.define("rms_norm(Tensor x, Tensor w, float eps, int isa=-1) -> Tensor")
     lib.impl("rms_norm", reference.rms_norm, "CPU")
     _state["library"] = lib  # the registration lives as long as this object

@@ -236,9 +236,48 @@ torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k
   return out;
 }
 
+// A decode step's attention block from the fused q/k/v projection, in one call: rotate q and k (full
+// rotary: out = x * cos + roll(x, D/2) * signed_sin, the same three rounded operations as flat.rotate),
+// write k and v into the cache at positions start .., attend. qkv [T, (H + 2 Hkv) * D]; cos and
+// signed_sin [T, D] (any shape with T * D contiguous elements); k, v the cache [Hkv, S, D].
+torch::Tensor rope_attention(const torch::Tensor& qkv_in, const torch::Tensor& cos_in, const torch::Tensor& ssin_in,
+                             const torch::Tensor& k, const torch::Tensor& v, int64_t start, int64_t h, int64_t hkv,
+                             double scale) {
+  TORCH_CHECK(qkv_in.dim() == 2 && qkv_in.scalar_type() == torch::kFloat32, "rope_attention takes float32 qkv [T, F]");
+  const int64_t t = qkv_in.size(0), d = k.size(2);
+  TORCH_CHECK(qkv_in.size(1) == (h + 2 * hkv) * d && d % 2 == 0, "qkv is not [T, (H + 2 Hkv) * D]");
+  TORCH_CHECK(cos_in.numel() == t * d && ssin_in.numel() == t * d, "rotary tables are not [T, D]");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.size(0) == hkv && start + t <= k.size(1), "bad cache");
+  torch::Tensor qkv = qkv_in.contiguous(), cs = cos_in.contiguous().to(torch::kFloat32),
+                sn = ssin_in.contiguous().to(torch::kFloat32);
+  auto q = torch::empty({t, h, d}, torch::kFloat32);
+  const float *xp = qkv.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const int64_t half = d / 2, row = (h + 2 * hkv) * d;
+  for (int64_t i = 0; i < t; i++) {
+    const float *c = cp + i * d, *sg = sp + i * d;
+    for (int64_t j = 0; j < h + hkv; j++) {
+      const float* x = xp + i * row + j * d;
+      float* out = j < h ? qp + (i * h + j) * d : kp + (j - h) * k.stride(0) + (start + i) * k.stride(1);
+      for (int64_t e = 0; e < d; e++) {
+        const float a = x[e] * c[e];
+        const float b = x[e < half ? e + half : e - half] * sg[e];
+        out[e] = a + b;
+      }
+    }
+    for (int64_t g = 0; g < hkv; g++)
+      std::memcpy(vp + g * v.stride(0) + (start + i) * v.stride(1), xp + i * row + (h + hkv + g) * d,
+                  sizeof(float) * d);
+  }
+  return causal_attention(q, k, v, start, scale, -1);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("causal_attention(Tensor q, Tensor k, Tensor v, int start, float scale, int isa=-1) -> Tensor");
   m.impl("causal_attention", torch::kCPU, &causal_attention);
+  m.def("rope_attention(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) k, Tensor(b!) v, int start, int h, "
+        "int hkv, float scale) -> Tensor");
+  m.impl("rope_attention", torch::kCPU, &rope_attention);
 }

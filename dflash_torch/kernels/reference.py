@@ -61,3 +61,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, isa: int = -1) -> torch.Tensor:
     """w * (x * (1 / sqrt(mean(x^2) + eps))) per row (norm.cpp's formula; its sums in another order)."""
     return w * (x * (1.0 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
+
+
+def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   start: int, h: int, hkv: int, scale: float) -> torch.Tensor:
+    """attention.cpp's rope_attention: rotate q/k of qkv [T, (H + 2 Hkv) * D] (x * cos + roll(x, D/2) *
+    signed_sin), write k/v into the cache k/v [Hkv, S, D] at start.., attend (`causal_attention`)."""
+    t, d = qkv.shape[0], k.shape[2]
+    cos, signed_sin = cos.reshape(t, 1, d), signed_sin.reshape(t, 1, d)
+    qk = qkv[:, : (h + hkv) * d].reshape(t, h + hkv, d)
+    qk = qk * cos + qk.roll(d // 2, -1) * signed_sin
+    k[:, start : start + t] = qk[:, h:].transpose(0, 1)
+    v[:, start : start + t] = qkv[:, (h + hkv) * d :].reshape(t, hkv, d).transpose(0, 1)
+    return causal_attention(qk[:, :h], k, v, start, scale)
