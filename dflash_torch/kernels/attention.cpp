@@ -259,11 +259,8 @@ torch::Tensor rope_attention(const torch::Tensor& qkv_in, const torch::Tensor& c
     for (int64_t j = 0; j < h + hkv; j++) {
       const float* x = xp + i * row + j * d;
       float* out = j < h ? qp + (i * h + j) * d : kp + (j - h) * k.stride(0) + (start + i) * k.stride(1);
-      for (int64_t e = 0; e < d; e++) {
-        const float a = x[e] * c[e];
-        const float b = x[e < half ? e + half : e - half] * sg[e];
-        out[e] = a + b;
-      }
+      for (int64_t e = 0; e < half; e++) out[e] = x[e] * c[e] + x[e + half] * sg[e];  // two halves: vectorizable
+      for (int64_t e = half; e < d; e++) out[e] = x[e] * c[e] + x[e - half] * sg[e];
     }
     for (int64_t g = 0; g < hkv; g++)
       std::memcpy(vp + g * v.stride(0) + (start + i) * v.stride(1), xp + i * row + (h + hkv + g) * d,
