@@ -1502,6 +1502,9 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             max_tokens = min(max_tokens, room)
         if req.grammar is not None and pipe.tokenizer is None:
             raise bad("structured output needs the model's tokenizer, and this model has none", "response_format")
+        if req.logprobs is not None and pipe.tokenizer is None:  # each entry carries its token's text
+            raise bad("log-probabilities come with each token's text, which needs the model's tokenizer, and "
+                      "this model has none", "logprobs")
         bias = req.sampler.logit_bias
         if bias and max(bias) >= pipe.target.config.vocab_size:
             raise bad(f"'logit_bias' names token {max(bias)}, beyond the vocabulary "

@@ -1366,6 +1366,11 @@ def test_model_without_tokenizer_takes_token_ids(zlab, monkeypatch):
         assert served == generate(pipe, prompt, 24, use_draft=False).token_ids == case["greedy_output"][:24]
         r = httpx.post(base + "/v1/chat/completions", json={"messages": OK_MSGS})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        # logprobs name each token's text: a clear 400 (was a 500 from the worker), and the server serves on
+        r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "logprobs": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+        r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
 def test_reasoning_splitter_any_chunking():
