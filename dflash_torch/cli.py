@@ -263,6 +263,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     probe = flat.script(torch.nn.Identity())  # what decode steps get on a CPU (warns if it cannot compile)
     print(f"torchscript (flat decode and draft passes on CPU): "
           f"{'available' if isinstance(probe, torch.jit.ScriptModule) else 'unavailable: Python flat path'}")
+    from . import kernels
+
+    backend = kernels.ensure()  # flat.script above built or loaded them
+    print("block kernels (q4_0 / q4_1 / q8_0, exact verification): "
+          + (f"compiled, {kernels.best_isa()} on this CPU" if backend == "compiled"
+             else "PyTorch reference (no C++ compiler found; --quantize auto uses int4/int8)"))
     try:
         print(f"default model GGUF: {loading.default_gguf()}")
     except loading.ModelError as e:

@@ -358,3 +358,6 @@ def test_doctor_lists_the_install(capsys):
     out = capsys.readouterr().out
     assert "torch" in out and "default drafter:" in out
     assert all(f"{name} (" in out for name in ("flash-linear-attention", "llama-cpp-python", "transformers"))
+    from dflash_torch import kernels
+
+    assert f"block kernels (q4_0 / q4_1 / q8_0, exact verification): compiled, {kernels.best_isa()}" in out
