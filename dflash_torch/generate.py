@@ -191,11 +191,14 @@ def load(
         if quantize in BLOCK_FORMATS:
             fmt = quantize
 
-            def quantizer(model, head=None):
-                return quantize_blocks(model, fmt, head=head)
+            def quantizer(model, head=None, stored=None):
+                return quantize_blocks(model, fmt, head=head, stored=stored)
+
+            # a GGUF file's blocks as stored, where it stores the layers in the kernel's formats
+            quantizer(target, head=head, stored=loading.stored_blocks(target, path))
         else:
             quantizer = quantize_int4 if quantize == "int4" else quantize_int8
-        quantizer(target, head=head)
+            quantizer(target, head=head)
     from .quantize import exact_prefill
 
     # Every target, not only those quantized above: it acts wherever a quantizer marked the layers

@@ -106,6 +106,17 @@ _GGUF_LAYER_NAMES = {
 }
 
 
+def _hf_name(name: str) -> str | None:
+    """The HF checkpoint key of a GGUF tensor name (blk.N.attn_q.weight -> model.layers.N.self_attn.q_proj
+    .weight), None for tensors the engine does not read."""
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+        return None
+    return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+
+
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     # llama.cpp stores q/k rows interleaved for its rotary layout; undo that to get HF's halves layout.
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
@@ -118,11 +129,13 @@ def convert_gguf(path: Path) -> Path:
     out = cache_home() / "models" / f"{path.stem}-{key}"
     if (out / "config.json").is_file():
         config = json.loads((out / "config.json").read_text())
-        if "head" not in config.get("gguf_weight_types", {}):  # converted by an earlier version: add what
-            # --quantize auto reads
+        if "head" not in config.get("gguf_weight_types", {}) or not (out / BLOCKS_FILE).is_file():
+            # converted by an earlier version: add what --quantize auto and stored_blocks read
             import gguf
 
-            config["gguf_weight_types"] = gguf_weight_types(gguf.GGUFReader(str(path)))
+            reader = gguf.GGUFReader(str(path))
+            config["gguf_weight_types"] = gguf_weight_types(reader)
+            _save_blocks(reader, config, out / BLOCKS_FILE)
             (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         return out
     import gguf
@@ -163,23 +176,15 @@ def convert_gguf(path: Path) -> Path:
     state = {}
     for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", file=sys.stderr):
         w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-        name = t.name
-        if name in _GGUF_NAMES:
-            hf = _GGUF_NAMES[name]
-        else:
-            parts = name.split(".")  # blk.N.attn_q.weight
-            if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
-                continue
-            hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-            if parts[2] == "attn_q":
-                w = _unpermute(w, heads)
-            elif parts[2] == "attn_k":
-                w = _unpermute(w, kv_heads or heads)
-        state[hf] = w.contiguous()
+        hf = _hf_name(t.name)
+        if hf is None:
+            continue
+        state[hf] = _rows_as_hf(w, hf, heads, kv_heads or heads).contiguous()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    _save_blocks(reader, config, tmp / BLOCKS_FILE)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {"eos_token_id": config["eos_token_id"], "bos_token_id": config["bos_token_id"]}
     (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -189,6 +194,65 @@ def convert_gguf(path: Path) -> Path:
     tok.save_pretrained(str(tmp))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+    return out
+
+
+def _rows_as_hf(w: torch.Tensor, hf: str, heads: int, kv_heads: int) -> torch.Tensor:
+    """A GGUF matrix's rows in HF's order: q and k rows are interleaved for llama.cpp's rotary layout.
+    Works on float rows and on rows of blocks alike (a block never spans two rows)."""
+    if hf.endswith("self_attn.q_proj.weight"):
+        return _unpermute(w, heads)
+    if hf.endswith("self_attn.k_proj.weight"):
+        return _unpermute(w, kv_heads)
+    return w
+
+
+BLOCKS_FILE = "blocks.safetensors"  # a converted GGUF's Q4_0 / Q4_1 / Q8_0 matrices, their bytes as stored
+
+
+def _save_blocks(reader, config: dict, out: Path) -> None:
+    """The file's matrices stored in the block kernels' formats, as uint8 blocks [N, K/32 * bytes] under
+    their HF names, rows in HF's order; the format of each in the metadata."""
+    import numpy as np
+
+    from .kernels import pack
+
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    blocks, formats = {}, {}
+    for t in reader.tensors:
+        fmt, hf = t.tensor_type.name.lower(), _hf_name(t.name)
+        if fmt in pack.FORMATS and hf is not None:
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # out of the memmap
+            blocks[hf], formats[hf] = _rows_as_hf(raw, hf, heads, kv_heads).contiguous(), fmt
+    save_file(blocks, str(out), metadata={"formats": json.dumps(formats)})
+
+
+def stored_blocks(model: torch.nn.Module, path: Path) -> dict[torch.nn.Module, tuple[str, torch.Tensor]]:
+    """{linear layer of `model`: (format, its GGUF blocks [N, K/32 * bytes] as the file stores them)} for
+    a target converted from a GGUF file (`path`: the converted directory) whose matrices are stored in
+    the block kernels' formats (q4_0, q4_1, q8_0). `quantize.quantize_blocks` takes these bytes as they
+    are: quantizing the dequantized floats again gives the same bytes (tests/test_core.py checks it)
+    but took ~3 s per load of the default model. Empty for other models."""
+    if not (path / BLOCKS_FILE).is_file():
+        return {}
+    from safetensors import safe_open
+
+    from .kernels import pack
+
+    with safe_open(str(path / BLOCKS_FILE), framework="pt") as f:
+        formats = json.loads((f.metadata() or {}).get("formats", "{}"))
+        found = {name: (formats[name], f.get_tensor(name)) for name in f.keys() if name in formats}
+    config = json.loads((path / "config.json").read_text())
+    if "lm_head.weight" not in found and config.get("tie_word_embeddings") and "model.embed_tokens.weight" in found:
+        found["lm_head.weight"] = found["model.embed_tokens.weight"]
+    out = {}
+    for name, m in model.named_modules():
+        entry = found.get(f"{name}.weight")
+        if isinstance(m, torch.nn.Linear) and entry is not None:
+            fmt, raw = entry
+            if raw.shape == (m.out_features, m.in_features // pack.QK * pack.block_bytes(fmt)):
+                out[m] = entry
     return out
 
 

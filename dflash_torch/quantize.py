@@ -201,7 +201,7 @@ def _concat(parts: list[nn.Linear]) -> nn.Linear:
     return out.requires_grad_(False)
 
 
-def fuse_projections(model: nn.Module, fits=lambda linear: True) -> nn.Module:
+def fuse_projections(model: nn.Module, fits=lambda linear: True, stored: dict | None = None) -> nn.Module:
     """Concatenate q/k/v into `qkv_proj` and gate/up into `gate_up_proj` wherever a module declares
     those slots (llama.Attention, layers.MLP), in place: one matmul and one activation cast instead of
     three or two. Only layers whose parts all satisfy `fits` are fused, so a quantizer that skips a
@@ -210,7 +210,9 @@ def fuse_projections(model: nn.Module, fits=lambda linear: True) -> nn.Module:
     Used for quantized targets only: the int8/int4 kernels compute each output column alike whatever
     the matrix it sits in, so fused and separate layers give identical results (tests/test_fast.py),
     and fewer kernel calls cut a decode step's fixed costs (docs/performance.md). float32 matmuls
-    measured no faster fused here and round differently, so float32 targets are left unfused."""
+    measured no faster fused here and round differently, so float32 targets are left unfused.
+    `stored` ({layer: (format, GGUF blocks)}, `loading.stored_blocks`) gains the fused layers' blocks:
+    their parts' rows, concatenated, where all parts are stored in one format."""
     groups = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
     for m in model.modules():
         for fused, names in groups:
@@ -222,6 +224,8 @@ def fuse_projections(model: nn.Module, fits=lambda linear: True) -> nn.Module:
             if len({(p.in_features, p.bias is not None) for p in parts}) != 1:
                 continue
             setattr(m, fused, _concat(parts))
+            if stored is not None and all(p in stored for p in parts) and len({stored[p][0] for p in parts}) == 1:
+                stored[getattr(m, fused)] = (stored[parts[0]][0], torch.cat([stored[p][1] for p in parts]))
             for n in names:
                 delattr(m, n)
     return forget_plans(model)
@@ -278,20 +282,31 @@ def quantize_int4(model: nn.Module, group_size: int = INT4_GROUP_SIZE, fuse: boo
     return exact_verify(_set_head(model, apart, head))
 
 
-def quantize_blocks(model: nn.Module, fmt: str, fuse: bool = True, head: str | None = None) -> nn.Module:
+def quantize_blocks(model: nn.Module, fmt: str, fuse: bool = True, head: str | None = None,
+                    stored: dict | None = None) -> nn.Module:
     """Replace every nn.Linear of a CPU `model` whose in_features the block kernels take (`block_fits`;
     others stay in full precision) by a `BlockLinear` in format `fmt` (q4_0, q4_1 or q8_0), in place,
     after fusing q/k/v and gate/up (exactly as apart: each output column is computed alike). `head`: the LM
-    head's format (one of the block formats; None: `fmt`). Marks the model for exact verification."""
+    head's format (one of the block formats; None: `fmt`). `stored`: {layer: (format, GGUF blocks)} from
+    the file the model came from (`loading.stored_blocks`): a layer stored in the format it gets keeps
+    those bytes, the others are quantized from their weights. Marks the model for exact verification."""
     head = head or fmt
     if head not in BLOCK_FORMATS:
         raise ValueError(f"unknown LM head format {head!r} (choose {', '.join(BLOCK_FORMATS)})")
+    stored = dict(stored or {})
+
+    def blocks(lin: nn.Linear, f: str) -> BlockLinear:
+        kept = stored.get(lin)
+        if kept is not None and kept[0] == f:
+            return BlockLinear(None, f, kept[1], lin.bias)
+        return BlockLinear(lin, f)
+
     if fuse:
-        fuse_projections(model, fits=block_fits)
+        fuse_projections(model, fits=block_fits, stored=stored)
     lm = getattr(model, "lm_head", None)
     if isinstance(lm, nn.Linear) and block_fits(lm):
-        model.lm_head = BlockLinear(lm, head)
-    _replace_linears(model, lambda lin: BlockLinear(lin, fmt) if block_fits(lin) else None)
+        model.lm_head = blocks(lm, head)
+    _replace_linears(model, lambda lin: blocks(lin, fmt) if block_fits(lin) else None)
     attentions = [m for m in model.modules() if hasattr(m, "exact_kernel") and getattr(m, "no_window", False)]
     for m in attentions:  # attention whose result for a query does not depend on the pass
         m.exact_kernel = True

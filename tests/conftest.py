@@ -88,17 +88,19 @@ SMALL_VOCAB = 5
 
 @pytest.fixture(scope="session")
 def small_vocab(tmp_path_factory):
-    """(target, drafter) over a 5-token vocabulary, for exact distribution tests."""
+    """(target, drafter) over a 5-token vocabulary, for exact distribution tests. One layer each: the
+    property tested (the accept / residual arithmetic of rejection sampling) does not depend on depth,
+    and these tests run thousands of generations, whose cost is per layer."""
     from dflash_torch import loading
     from dflash_torch.drafter import load_drafter
 
     base = tmp_path_factory.mktemp("sv")
     path = make_hf_model("llama", base / "t", seed=7, vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1)
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     target = loading.load_target(path, torch.device("cpu"), torch.float32)
     with torch.no_grad():  # back to moderate logits, so sampling is spread over the vocab
         target.lm_head.weight.mul_(0.1)
-    drafter = load_drafter(make_drafter(path, base / "d", block_size=4, seed=3))
+    drafter = load_drafter(make_drafter(path, base / "d", layers=1, block_size=4, seed=3))
     return target, drafter
 
 

@@ -327,14 +327,30 @@ def test_default_model_generates_text(tmp_path, monkeypatch, capsys):
     assert isinstance(auto.target.lm_head, BlockLinear) and auto.target.lm_head.fmt == "q8_0"
     assert isinstance(auto.target.model.layers[0].mlp.down_proj, BlockLinear)
     assert auto.target.model.layers[0].mlp.down_proj.fmt == "q4_1"
+    # the layers hold the file's own bytes (kept at conversion in blocks.safetensors, q/k rows in HF's
+    # order), and quantizing their dequantized weights again gives back exactly those bytes
+    import gguf
+
+    from dflash_torch.kernels import pack
+    from dflash_torch.loading import default_gguf
+
+    stored = {t.name: t.data for t in gguf.GGUFReader(str(default_gguf())).tensors}
+    layer = auto.target.model.layers[0]
+    assert torch.equal(layer.mlp.down_proj.raw(), torch.from_numpy(stored["blk.0.ffn_down.weight"].copy()))
+    assert torch.equal(auto.target.lm_head.raw(), torch.from_numpy(stored["token_embd.weight"].copy()))
+    for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj, auto.target.lm_head):
+        assert torch.equal(pack.quantize(m.weight, m.fmt), m.raw()), m.fmt
     assert isinstance(load(None, None, "cpu", quiet=True, quantize="int4").target.lm_head, Int4Linear)
     assert load(None, None, "cpu", quiet=True, quantize="none").quantize is None
     # a cache converted before the field existed gets it on its next use
     path = next(tmp_path.glob("models/*/config.json"))
     config.pop("gguf_weight_types")
     path.write_text(json.dumps(config))
-    assert load(None, None, "cpu", quiet=True, quantize="auto").quantize == "q4_1"
-    assert json.loads(path.read_text())["gguf_weight_types"]
+    (path.parent / "blocks.safetensors").unlink()
+    again = load(None, None, "cpu", quiet=True, quantize="auto")
+    assert again.quantize == "q4_1" and json.loads(path.read_text())["gguf_weight_types"]
+    assert torch.equal(again.target.lm_head.packed, auto.target.lm_head.packed)
+    assert (path.parent / "blocks.safetensors").is_file()
 
 
 def test_auto_quantize_follows_the_stored_precision():

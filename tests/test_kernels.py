@@ -206,7 +206,7 @@ ATTENTION_SHAPES = [(1, 9, 3, 64, 100), (16, 9, 3, 64, 37), (5, 4, 4, 16, 0), (3
 
 
 def _attention_isas() -> list[int]:
-    return [0, 1] if kernels.best_isa() in ("avx2", "vnni") else [0]
+    return [0, 1] if kernels.best_isa() in ("avx2", "vnni", "amx") else [0]
 
 
 def test_attention_paths_agree_and_queries_are_independent():

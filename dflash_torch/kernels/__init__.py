@@ -20,7 +20,7 @@ import torch
 
 from . import reference
 
-ISAS = ("scalar", "avx2", "vnni")  # the kernel's instruction-set codes are their indices
+ISAS = ("scalar", "avx2", "vnni", "amx")  # the kernel's instruction-set codes are their indices
 _state: dict = {}
 
 
@@ -79,7 +79,10 @@ def ensure() -> str:
             backend, why = "compiled", ""
         except Exception as e:  # no compiler, no ninja, no headers: the reference serves
             lines = str(e).strip().splitlines() or [""]
-            why = f"{type(e).__name__}: {next((x for x in lines if 'error' in x.lower()), lines[-1]).strip()}"
+            # the compiler's own "error:" line where there is one (not the command line that failed)
+            first = next((x for x in lines if "error:" in x), None) or next(
+                (x for x in lines if "error" in x.lower()), lines[-1])
+            why = f"{type(e).__name__}: {first.strip()}"
     if backend == "reference":
         warnings.warn(f"dflash: the C++ block kernels are not available ({why}); using the PyTorch reference, "
                       "which computes the same results far more slowly (install a C++ compiler and ninja)",

@@ -35,6 +35,12 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define DFLASH_X86 1
+#if defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DFLASH_AMX 1  // a compiler with AMX intrinsics, and Linux's way of asking for the tile registers
+#endif
 #endif
 
 namespace {
@@ -327,9 +333,163 @@ void tile_vnni(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t
 }
 #endif
 
+
+#ifdef DFLASH_AMX
+// AMX (Sapphire Rapids and later): one TDPBSUD / TDPBSSD multiplies 16 rows by 16 columns over one block
+// of 32 values into 16 x 16 exact int32 sums, the same integers the dpbusd lanes produce; the float step
+// then runs on 16-column zmm vectors with the same operations, in the same order, as the 8-column paths,
+// so every path gives the same bits (tests/test_kernels.py). A tile holds a weight block of two adjacent
+// column groups: B's row j is chunk j of group g and of group g + 1, 4 values of each of 16 columns, which
+// is the layout TDP* reads; Q4's nibbles are spread to bytes first. Activation rows are padded to 16
+// with zero rows (block_mm_impl), so one tile shape serves every M.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// one block's tile product: activations of rows r0.. (A) by the column tile's unpacked block (B) into C
+#define DFLASH_AMX_TDP(b, ta, tb, tc)                                                             \
+  _tile_loadd(ta, x.q + r0 * x.k + (b) * QK, x.k);                                                \
+  _tile_loadd(tb, bt + (b) * 512, 64);                                                            \
+  _tile_zero(tc);                                                                                 \
+  if (fmt == Q8_0) _tile_dpbssd(tc, ta, tb); /* signed activations x signed weights */            \
+  else _tile_dpbsud(tc, ta, tb);             /* signed activations x unsigned nibbles */
+
+// the float step of DFLASH_FLOAT_STEP_AT for one block of a 16-column tile, 16 columns wide
+template <int64_t fmt>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"))) inline void amx_scale(
+    const Rows& x, int64_t r0, int64_t rows, int64_t b, const int32_t* c, const float* dws, const float* mws,
+    float* acc) {
+  const __m512 dw = _mm512_loadu_ps(dws + 16 * b);
+  const __m512 mw = fmt == Q4_1 ? _mm512_loadu_ps(mws + 16 * b) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t at = (r0 + r) * x.nb + b;
+    __m512i isum = _mm512_load_si512(c + 16 * r);
+    if (fmt == Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * x.s[at]));
+    const __m512 dd = _mm512_mul_ps(_mm512_set1_ps(x.d[at]), dw);
+    __m512 av = _mm512_add_ps(_mm512_load_ps(acc + 16 * r), _mm512_mul_ps(_mm512_cvtepi32_ps(isum), dd));
+    if (fmt == Q4_1) av = _mm512_add_ps(av, _mm512_mul_ps(mw, _mm512_set1_ps(x.ds[at])));
+    _mm512_store_ps(acc + 16 * r, av);
+  }
+}
+
+template <int64_t fmt>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8"))) void columns_amx_t(
+    const uint8_t* wp, int64_t gstride, int64_t groups, int64_t nb, const Rows& x, int64_t m, int64_t t0,
+    int64_t t1, float* y, int64_t n, const float* res) {
+  TileConfig cfg;  // two sets of (A, B, C), so that one block's product runs while the other's is scaled
+  for (int set = 0; set < 2; set++) {
+    cfg.colsb[3 * set] = 32, cfg.rows[3 * set] = 16;          // A: 16 rows x one block of activation quants
+    cfg.colsb[3 * set + 1] = 64, cfg.rows[3 * set + 1] = 8;   // B: 8 chunks of 4 values x 16 columns
+    cfg.colsb[3 * set + 2] = 64, cfg.rows[3 * set + 2] = 16;  // C: 16 rows x 16 int32 block sums
+  }
+  _tile_loadconfig(&cfg);
+  thread_local std::vector<uint8_t> bbuf;  // the column tile's blocks, unpacked: [nb, 8, 64]
+  bbuf.resize(nb * 512 + 64);
+  uint8_t* bt = (uint8_t*)(((uintptr_t)bbuf.data() + 63) & ~(uintptr_t)63);
+  std::vector<float> dws(nb * 16), mws(fmt == Q4_1 ? nb * 16 : 0);  // the tile's scales (and minimums)
+  alignas(64) int32_t ct[2][16 * 16];
+  alignas(64) float acc[16 * 16];
+  const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  for (int64_t t = t0; t < t1; t++) {  // a tile of 16 output columns: groups 2t and 2t + 1
+    const int64_t g0 = 2 * t, cols = std::min<int64_t>(2 * GROUP, n - g0 * GROUP);
+    const bool two = g0 + 1 < groups;
+    const uint8_t* w0 = wp + g0 * gstride;
+    const uint8_t* w1 = w0 + gstride;
+    for (int64_t b = 0; b < nb; b++) {  // unpack once for all rows
+      const uint8_t* e0 = w0 + b * gb;
+      const uint8_t* e1 = w1 + b * gb;
+      const __m128i h0 = _mm_loadu_si128((const __m128i*)e0);
+      const __m128i h1 = two ? _mm_loadu_si128((const __m128i*)e1) : _mm_setzero_si128();
+      _mm512_storeu_ps(dws.data() + 16 * b,
+                       _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1)));
+      if (fmt == Q4_1) {
+        const __m128i m0 = _mm_loadu_si128((const __m128i*)(e0 + 16));
+        const __m128i m1 = two ? _mm_loadu_si128((const __m128i*)(e1 + 16)) : _mm_setzero_si128();
+        _mm512_storeu_ps(mws.data() + 16 * b,
+                         _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(m0), m1, 1)));
+      }
+      const uint8_t* q0 = e0 + qoff;
+      const uint8_t* q1 = e1 + qoff;
+      uint8_t* bb = bt + 512 * b;
+      if (fmt == Q8_0) {
+        for (int j = 0; j < 8; j++) {
+          _mm256_store_si256((__m256i*)(bb + 64 * j), _mm256_loadu_si256((const __m256i*)(q0 + 32 * j)));
+          _mm256_store_si256((__m256i*)(bb + 64 * j + 32),
+                             two ? _mm256_loadu_si256((const __m256i*)(q1 + 32 * j)) : _mm256_setzero_si256());
+        }
+      } else {
+        for (int j = 0; j < 4; j++) {
+          const __m256i v0 = _mm256_loadu_si256((const __m256i*)(q0 + 32 * j));
+          const __m256i v1 = two ? _mm256_loadu_si256((const __m256i*)(q1 + 32 * j)) : _mm256_setzero_si256();
+          _mm256_store_si256((__m256i*)(bb + 64 * j), _mm256_and_si256(v0, low));
+          _mm256_store_si256((__m256i*)(bb + 64 * j + 32), _mm256_and_si256(v1, low));
+          _mm256_store_si256((__m256i*)(bb + 64 * (j + 4)), _mm256_and_si256(_mm256_srli_epi16(v0, 4), low));
+          _mm256_store_si256((__m256i*)(bb + 64 * (j + 4) + 32), _mm256_and_si256(_mm256_srli_epi16(v1, 4), low));
+        }
+      }
+    }
+    for (int64_t r0 = 0; r0 < m; r0 += 16) {
+      const int64_t rows = std::min<int64_t>(16, m - r0);
+      std::memset(acc, 0, sizeof(acc));
+      DFLASH_AMX_TDP(0, 0, 1, 2)
+      for (int64_t b = 0; b < nb; b += 2) {  // blocks in order: the float sums' order is fixed
+        if (b + 1 < nb) {
+          DFLASH_AMX_TDP(b + 1, 3, 4, 5)
+        }
+        _tile_stored(2, ct[0], 64);
+        if (b + 2 < nb) {
+          DFLASH_AMX_TDP(b + 2, 0, 1, 2)
+        }
+        amx_scale<fmt>(x, r0, rows, b, ct[0], dws.data(), mws.data(), acc);
+        if (b + 1 < nb) {
+          _tile_stored(5, ct[1], 64);
+          amx_scale<fmt>(x, r0, rows, b + 1, ct[1], dws.data(), mws.data(), acc);
+        }
+      }
+      for (int64_t r = 0; r < rows; r++) {
+        float* out = y + (r0 + r) * n + g0 * GROUP;
+        const float* a = acc + 16 * r;
+        if (res != nullptr) {
+          const float* rr = res + (r0 + r) * n + g0 * GROUP;
+          for (int64_t c = 0; c < cols; c++) out[c] = rr[c] + a[c];
+        } else {
+          std::memcpy(out, a, sizeof(float) * cols);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+void columns_amx(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t groups, int64_t nb, const Rows& x,
+                 int64_t m, int64_t t0, int64_t t1, float* y, int64_t n, const float* res) {
+  if (fmt == Q4_0) columns_amx_t<Q4_0>(wp, gstride, groups, nb, x, m, t0, t1, y, n, res);
+  else if (fmt == Q4_1) columns_amx_t<Q4_1>(wp, gstride, groups, nb, x, m, t0, t1, y, n, res);
+  else columns_amx_t<Q8_0>(wp, gstride, groups, nb, x, m, t0, t1, y, n, res);
+}
+
+bool amx_usable() {  // the CPU has AMX-TILE and AMX-INT8, and Linux grants this process the tile state
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+#endif
+
 // ---- dispatch ----
 
-enum Isa : int64_t { SCALAR = 0, AVX2 = 1, VNNI = 2 };
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, VNNI = 2, AMX = 3 };
+// Below this many rows the VNNI path is as fast (a few rows' work is too small for a 16-row tile);
+// DFLASH_AMX_MIN_ROWS overrides it, for measuring (the paths give the same bits, so only speed changes).
+int64_t amx_min_rows() {
+  static const int64_t rows = [] {
+    const char* v = std::getenv("DFLASH_AMX_MIN_ROWS");
+    return v && *v ? std::max<int64_t>(1, std::atoll(v)) : 8;
+  }();
+  return rows;
+}
 
 int64_t detect_isa() {
 #ifdef DFLASH_X86
@@ -341,8 +501,12 @@ int64_t detect_isa() {
   __builtin_cpu_init();
   if (avx2_cap) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? AVX2 : SCALAR;
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+#ifdef DFLASH_AMX
+    if (amx_usable()) return AMX;
+#endif
     return VNNI;
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return AVX2;
 #endif
@@ -392,13 +556,19 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
   TORCH_CHECK(x_in.dim() == 2, "block_mm takes x [M, K]");
   const int64_t m = x_in.size(0), k = x_in.size(1), nb = k / QK;
   check_packed(packed, fmt, n, k);
+  const bool asked = isa >= 0;
   isa = resolve(isa);
+  // AMX where asked for, or where it is the best path and the rows fill enough of a tile; else VNNI
+  const bool amx = isa == AMX && (asked || m >= amx_min_rows());
+  if (isa == AMX && !amx) isa = VNNI;
   torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   // the activations' quants and scales: scratch reused across calls (no allocation per call)
   thread_local std::vector<int8_t> qbuf;
   thread_local std::vector<float> dbuf, dsbuf;
   thread_local std::vector<int32_t> sbuf;
-  qbuf.resize(m * k);
+  const int64_t mpad = amx ? (m + 15) / 16 * 16 : m;  // AMX reads whole 16-row tiles: zero rows after M
+  qbuf.resize(mpad * k);
+  std::memset(qbuf.data() + m * k, 0, (mpad - m) * k);
   dbuf.resize(m * nb);
   dsbuf.resize(m * nb);
   sbuf.resize(m * nb);
@@ -417,6 +587,14 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t groups = (n + GROUP - 1) / GROUP, gstride = nb * group_bytes(fmt);
+#ifdef DFLASH_AMX
+  if (amx) {  // threads split tiles of 16 output columns
+    at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t c0, int64_t c1) {
+      columns_amx(fmt, wp, gstride, groups, nb, rows, m, c0, c1, yp, n, rp);
+    });
+    return y;
+  }
+#endif
   for (int64_t t0 = 0; t0 < m; t0 += TILE_ROWS) {
     const int64_t t1 = std::min(m, t0 + TILE_ROWS);
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
