@@ -2,7 +2,10 @@
 kernels (q4_0, q4_1) beside PyTorch's int4 kernel, and llama.cpp's own batch scaling on the same GGUF
 (one forward pass of M tokens over one of 1 token, through llama-cpp-python).
 
-    python tools/kernel_table.py [--threads 2] [--rows 1,2,4,8,16] [--json FILE]
+    python tools/kernel_table.py [--threads 2] [--rows 1,2,4,8,16] [--isa vnni,amx] [--json FILE]
+
+--isa: the block kernels' instruction sets to time, side by side (default: the one each call picks on
+this CPU: on an AMX CPU, VNNI below 8 rows and AMX from 8 on; see kernels/blocks.cpp).
 
 Times are the best of several rounds (microseconds per call; llama.cpp: milliseconds per pass), each
 call on another copy of the weights so that they come from memory as in a decode step, not from cache.
@@ -42,12 +45,15 @@ def rotating(fn, weights: list):
     return call
 
 
-def kernel_rows(rows: list[int]) -> list[dict]:
+def kernel_rows(rows: list[int], isas: list[str] | None = None) -> list[dict]:
     from dflash_torch import kernels
     from dflash_torch.kernels import pack
     from dflash_torch.quantize import Int4Linear
 
     kernels.ensure()
+    # (column, format, instruction-set code): -1 lets each call pick, as the engine's calls do
+    columns = [(f if isa is None else f"{f}@{isa}", f, -1 if isa is None else kernels.ISAS.index(isa))
+               for f in ("q4_0", "q4_1") for isa in (isas or [None])]
     out = []
     gen = torch.Generator().manual_seed(0)
     for name, n, k in SHAPES:
@@ -64,10 +70,10 @@ def kernel_rows(rows: list[int]) -> list[dict]:
             x = torch.randn(m, k, generator=gen)
             row = {"layer": name, "shape": f"{n}x{k}", "M": m}
             xb = x.bfloat16()
-            for f, ws in formats.items():
+            for col, f, isa in columns:
                 code = pack.FORMATS.index(f)
-                row[f] = best(rotating(lambda w, x=x, code=code, n=n: torch.ops.dflash.block_mm(
-                    x, w, code, n, -1), ws), reps) * 1e6
+                row[col] = best(rotating(lambda w, x=x, code=code, n=n, isa=isa: torch.ops.dflash.block_mm(
+                    x, w, code, n, isa), formats[f]), reps) * 1e6
             row["int4"] = best(rotating(lambda w, xb=xb: torch.ops.aten._weight_int4pack_mm_for_cpu(
                 xb, w[0], 32, w[1]), int4), reps) * 1e6
             out.append(row)
@@ -110,18 +116,20 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp's batch scaling")
+    ap.add_argument("--isa", default=None, help="block-kernel instruction sets to compare, e.g. vnni,amx")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
-    kern = kernel_rows(rows)
+    kern = kernel_rows(rows, args.isa.split(",") if args.isa else None)
     lc = [] if args.no_llamacpp else llamacpp_rows(rows, args.threads)
     print(f"\nthreads {args.threads}; us per call (x = over M=1 of the same kernel)")
-    print(f"{'layer':>8} {'shape':>10} {'M':>3} {'q4_0':>14} {'q4_1':>14} {'torch int4':>14}")
+    cols = [c for c in kern[0] if c not in ("layer", "shape", "M")]
+    print(f"{'layer':>8} {'shape':>10} {'M':>3} " + " ".join(f"{'torch int4' if c == 'int4' else c:>14}" for c in cols))
     base = {}
     for r in kern:
         if r["M"] == rows[0]:
             base = r
-        cells = [f"{r[f]:7.0f} {r[f] / base[f]:5.2f}x" for f in ("q4_0", "q4_1", "int4")]
+        cells = [f"{r[c]:7.0f} {r[c] / base[c]:5.2f}x" for c in cols]
         print(f"{r['layer']:>8} {r['shape']:>10} {r['M']:>3} " + " ".join(cells))
     if lc:
         print("\nllama.cpp, one pass of M tokens after 128 of context (the whole model), ms")

@@ -11,7 +11,7 @@
 //     acc = 0;  for b in blocks:  acc = acc + float(isum_b) * (dx_b * dw_b)      [Q4_1: + mw_b * (dx_b * sx_b)]
 //
 // where isum_b is sum(qx * qw) over the block (Q4_0: qw = nibble - 8), sx_b = sum(qx). The AVX2, the
-// VNNI and the scalar paths compute exactly these operations, so they agree bit for bit with each other
+// VNNI, the AMX and the scalar paths compute exactly these operations, so they agree bit for bit with each other
 // and with the PyTorch reference (reference.py); tests/test_kernels.py checks it. The file is compiled
 // with -ffp-contract=off so that no multiply-add is fused behind our back.
 //
@@ -340,8 +340,8 @@ void tile_vnni(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t
 // then runs on 16-column zmm vectors with the same operations, in the same order, as the 8-column paths,
 // so every path gives the same bits (tests/test_kernels.py). A tile holds a weight block of two adjacent
 // column groups: B's row j is chunk j of group g and of group g + 1, 4 values of each of 16 columns, which
-// is the layout TDP* reads; Q4's nibbles are spread to bytes first. Activation rows are padded to 16
-// with zero rows (block_mm_impl), so one tile shape serves every M.
+// is the layout TDP* reads; Q4's nibbles are spread to bytes first. Tiles have min(M, 16) rows; past 16
+// rows the activations are padded with zero rows to a multiple of 16 (block_mm_impl).
 struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -378,11 +378,13 @@ template <int64_t fmt>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8"))) void columns_amx_t(
     const uint8_t* wp, int64_t gstride, int64_t groups, int64_t nb, const Rows& x, int64_t m, int64_t t0,
     int64_t t1, float* y, int64_t n, const float* res) {
+  // tiles of tr = min(M, 16) rows (a tile op's time grows with its rows); M > 16 is padded to 16s
+  const int64_t tr = std::min<int64_t>(m, 16);
   TileConfig cfg;  // two sets of (A, B, C), so that one block's product runs while the other's is scaled
   for (int set = 0; set < 2; set++) {
-    cfg.colsb[3 * set] = 32, cfg.rows[3 * set] = 16;          // A: 16 rows x one block of activation quants
+    cfg.colsb[3 * set] = 32, cfg.rows[3 * set] = tr;          // A: tr rows x one block of activation quants
     cfg.colsb[3 * set + 1] = 64, cfg.rows[3 * set + 1] = 8;   // B: 8 chunks of 4 values x 16 columns
-    cfg.colsb[3 * set + 2] = 64, cfg.rows[3 * set + 2] = 16;  // C: 16 rows x 16 int32 block sums
+    cfg.colsb[3 * set + 2] = 64, cfg.rows[3 * set + 2] = tr;  // C: tr rows x 16 int32 block sums
   }
   _tile_loadconfig(&cfg);
   thread_local std::vector<uint8_t> bbuf;  // the column tile's blocks, unpacked: [nb, 8, 64]
@@ -431,9 +433,9 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-ti
         }
       }
     }
-    for (int64_t r0 = 0; r0 < m; r0 += 16) {
-      const int64_t rows = std::min<int64_t>(16, m - r0);
-      std::memset(acc, 0, sizeof(acc));
+    for (int64_t r0 = 0; r0 < m; r0 += tr) {
+      const int64_t rows = std::min<int64_t>(tr, m - r0);
+      std::memset(acc, 0, sizeof(float) * 16 * rows);
       DFLASH_AMX_TDP(0, 0, 1, 2)
       for (int64_t b = 0; b < nb; b += 2) {  // blocks in order: the float sums' order is fixed
         if (b + 1 < nb) {
@@ -566,7 +568,7 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
   thread_local std::vector<int8_t> qbuf;
   thread_local std::vector<float> dbuf, dsbuf;
   thread_local std::vector<int32_t> sbuf;
-  const int64_t mpad = amx ? (m + 15) / 16 * 16 : m;  // AMX reads whole 16-row tiles: zero rows after M
+  const int64_t mpad = amx && m > 16 ? (m + 15) / 16 * 16 : m;  // AMX reads whole 16-row tiles past 16 rows
   qbuf.resize(mpad * k);
   std::memset(qbuf.data() + m * k, 0, (mpad - m) * k);
   dbuf.resize(m * nb);
