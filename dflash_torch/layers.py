@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
 
 # Float32 matmuls of a few rows on a CPU: torch's x @ W^T (F.linear) runs MKL's kernel for that layout,
 # which for 1-4 rows reads the weights up to 5x slower than computing (W @ x^T)^T, whose kernel streams
-# the weight's rows; from 6 rows on, runs of `python docs/skinny_probe.py` disagreed on which is faster.
+# the weight's rows; from 6 rows on, runs of `python tools/probes/skinny_probe.py` disagreed on which is faster.
 # One row goes in twice: the single-column kernel is as slow as F.linear's. `set_skinny_rows(model, 0)`: F.linear
 # everywhere, the reference; layers built later take this value.
 SKINNY_ROWS = 4

@@ -4,8 +4,8 @@ against windows (`DFlashDrafter.set_window`). The drafter alone proposes (no pro
 kind) and 1,024 new tokens each. Prints each prompt's acceptance length and, per window, the drafted
 tokens kept per cycle by the context length at which the cycle ran.
 
-    python docs/draft_window_probe.py                     # whole context, then 512, 256, 128 (64 sinks)
-    python docs/draft_window_probe.py --windows 0,256 --sinks 4
+    python tools/probes/draft_window_probe.py                     # whole context, then 512, 256, 128 (64 sinks)
+    python tools/probes/draft_window_probe.py --windows 0,256 --sinks 4
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ size after a 128-token context (`profile.profile_pipeline`, steady state), and r
 greedy generations (no prompt lookup, no fallback) for their acceptance length; then quantizes the
 drafter's layers as `load(quantize=...)` does and repeats both (docs/performance.md).
 
-    python docs/draft_quant_probe.py --quantize int4
+    python tools/probes/draft_quant_probe.py --quantize int4
 """
 
 from __future__ import annotations

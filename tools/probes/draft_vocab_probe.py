@@ -5,8 +5,8 @@ Loads the embedded default model and its drafter, then times draft passes of eac
 draft-vocabulary rows and with the whole head, taking the two in turn pass by pass so that both see
 the same machine load. It also counts how often the two pick the same draft token.
 
-    python docs/draft_vocab_probe.py --quantize int4
-    python docs/draft_vocab_probe.py --quantize auto    # int4 layers, int8 LM head
+    python tools/probes/draft_vocab_probe.py --quantize int4
+    python tools/probes/draft_vocab_probe.py --quantize auto    # int4 layers, int8 LM head
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Loads the default model and its drafter as `dflash generate` does (context k/v f
 200 cached context tokens, with 1, 4 and 16 new context rows, median of 40; prints the largest
 difference between the two drafters' logits.
 
-    python docs/ctx_kv_probe.py
+    python tools/probes/ctx_kv_probe.py
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
    float32 matmul gives a row the same bits when other rows are computed with it (it must, for a
    batched verify to reproduce decode steps exactly).
 
-    python docs/attention_probe.py
+    python tools/probes/attention_probe.py
 """
 
 from __future__ import annotations

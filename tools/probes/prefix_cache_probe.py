@@ -5,8 +5,8 @@ requests (drafter, prompt lookup, greedy): once with a prefix cache, once withou
 the conversation so far (earlier replies included) and a new user message. Prints per turn the prompt
 length, the tokens taken from the cache, the prefill time both ways and whether the replies are equal.
 
-    python docs/prefix_cache_probe.py --quantize int4
-    python docs/prefix_cache_probe.py --quantize int4 --disk   # every later turn read back from files
+    python tools/probes/prefix_cache_probe.py --quantize int4
+    python tools/probes/prefix_cache_probe.py --quantize int4 --disk   # every later turn read back from files
 
 With quantized weights the server makes prefills attend one query at a time (`quantize.exact_prefill`), so
 that reused keys and values are the ones a cold prefill computes; `--fused-prefill` shows what happens

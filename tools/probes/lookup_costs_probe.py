@@ -6,7 +6,7 @@ twice over; each prompt runs once with fresh costs (every generation measures it
 alternating, so both see the same machine load. Prints pooled decode tok/s of each and whether the
 outputs agree.
 
-    python docs/lookup_costs_probe.py
+    python tools/probes/lookup_costs_probe.py
 """
 
 from __future__ import annotations

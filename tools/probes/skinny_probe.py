@@ -7,7 +7,7 @@ gate/up and down projections, and the LM head), each read cold from memory as in
 times decode steps and verify passes of each width on both, taking them in turn pass by pass, and
 compares their greedy tokens.
 
-    python docs/skinny_probe.py
+    python tools/probes/skinny_probe.py
 """
 
 from __future__ import annotations

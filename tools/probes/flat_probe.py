@@ -8,8 +8,8 @@ turn pass by pass so that all see the same machine load. Last, it times what a d
 without: its linear layers' kernels and its attention calls alone, back to back, nothing around them.
 Then the same three paths for the shipped drafter's draft passes (`drafter.FlatDraft`).
 
-    python docs/flat_probe.py --quantize int4
-    python docs/flat_probe.py --quantize none    # float32: decode steps only take the flat path
+    python tools/probes/flat_probe.py --quantize int4
+    python tools/probes/flat_probe.py --quantize none    # float32: decode steps only take the flat path
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ prompts in three modes, in turn: target-only decoding, prompt lookup with the gr
 as drafts (no drafter), and the drafter with the target-only fallback (how `dflash generate` runs),
 checking that all three emit the same tokens.
 
-    python docs/structured_probe.py --quantize int4
+    python tools/probes/structured_probe.py --quantize int4
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ fused gate/up 576->3072, down 1536->576; 30 layers; plus the 576->49152 LM head)
 and checks which ones give a row the same bits whatever the other rows are (what lets a verify pass
 reproduce decode steps exactly).
 
-    python docs/matmul_probe.py --threads 2
+    python tools/probes/matmul_probe.py --threads 2
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ the dense mask (`block_logits(dense=True)`, the reference) against `drafter.Bloc
 vocab`: block by block, the LM head's draft-vocabulary rows (the drafter's draft_vocab.json) against
 the whole head:
 
-    python docs/train_step_probe.py --data runs/data0,runs/data1 --anchors 32,64 --threads 1
-    python docs/train_step_probe.py --data runs/data0,runs/data1 --anchors 32,64 --threads 1 --compare vocab
+    python tools/probes/train_step_probe.py --data runs/data0,runs/data1 --anchors 32,64 --threads 1
+    python tools/probes/train_step_probe.py --data runs/data0,runs/data1 --anchors 32,64 --threads 1 --compare vocab
 """
 
 from __future__ import annotations

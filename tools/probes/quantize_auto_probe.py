@@ -7,7 +7,7 @@ and compares them with the stored ones, and times the two heads. Then greedy rep
 with float32 weights (the stored values), with `--quantize int4` and with `--quantize auto`: for how
 many tokens each quantized reply stays equal to the float32 one.
 
-    python docs/quantize_auto_probe.py
+    python tools/probes/quantize_auto_probe.py
 """
 
 from __future__ import annotations
