@@ -222,18 +222,18 @@ def peak_memory_mb(device) -> float | None:
 def run_ours(pipe, ids: list[int], max_tokens: int, use_draft: bool, args) -> tuple[Timing, object, list[int]]:
     """One generation through this package: (timing, Stats, token ids)."""
     from .cli import sampler_from_args
+    from .decoding.speculative import Stats
     from .generate import stream
-    from .speculative import Stats
 
     stats = Stats()
     sampler = sampler_from_args(args)  # fresh: same seed each run
     controller = fallback = None
     if use_draft and getattr(args, "fallback", False) and pipe.drafter is not None:
-        from .fallback import FallbackController
+        from .decoding.fallback import FallbackController
 
         controller = fallback = FallbackController()
     if use_draft and getattr(args, "adaptive", False) and pipe.drafter is not None:
-        from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
+        from .decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrate
 
         if getattr(args, "_costs", None) is None:  # calibrated once per bench run
             args._costs = calibrate(pipe.target, pipe.drafter)

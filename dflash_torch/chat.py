@@ -28,12 +28,12 @@ def add_parser(sub) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Read messages from stdin, stream replies to stdout, one statistics line per reply to stderr."""
-    from .adaptive import use_adaptive
     from .cli import grammar_from_args, sampler_from_args
-    from .fallback import FallbackController
+    from .decoding.adaptive import use_adaptive
+    from .decoding.fallback import FallbackController
+    from .decoding.prefix_cache import PrefixCache
+    from .decoding.speculative import Stats, generate_tokens
     from .generate import Detokenizer, check_lengths, load
-    from .prefix_cache import PrefixCache
-    from .speculative import Stats, generate_tokens
 
     if args.max_tokens < 1 or (args.prefill_step_size is not None and args.prefill_step_size < 1):
         raise ValueError("--max-tokens and --prefill-step-size must be >= 1")
@@ -52,7 +52,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     carry = None  # the fallback's state at the end of the last reply (speculation was slower: stay off)
     adaptive = None
     if use_draft and use_adaptive(args.adaptive, args.block_size, sampler):
-        from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
+        from .decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrate
 
         # seconds per cycle by block size, measured once
         adaptive = AdaptiveBlockSize(calibrate(pipe.target, pipe.drafter), pipe.drafter.block_size)

@@ -85,7 +85,7 @@ def grammar_from_args(args: argparse.Namespace) -> tuple[str, object] | None:
                 raise ValueError(f"cannot read {value[1:]}: {e.strerror}") from None
         return value
 
-    from .structured import grammar
+    from .decoding.structured import grammar
 
     if args.json_schema is not None:
         try:
@@ -106,7 +106,7 @@ def grammar_from_args(args: argparse.Namespace) -> tuple[str, object] | None:
 
 def sampler_from_args(args: argparse.Namespace):
     """The Sampler the sampling flags describe (a fresh one: its random generator starts at --seed)."""
-    from .sampling import Sampler
+    from .decoding.sampling import Sampler
 
     bias = None
     if args.logit_bias:
@@ -138,10 +138,10 @@ def json_object(text: str) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .adaptive import use_adaptive
+    from .decoding.adaptive import use_adaptive
+    from .decoding.sampling import TokenLogprobs
+    from .decoding.speculative import Stats
     from .generate import Detokenizer, load, stream
-    from .sampling import TokenLogprobs
-    from .speculative import Stats
 
     if args.text is not None:
         if args.prompt is not None:
@@ -163,11 +163,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # Speculation only while it pays: drop to target-only when it measures slower. A seeded
         # sampled run keeps a fixed schedule (the random draws depend on the block sizes).
         if not args.no_fallback and (sampler.greedy or sampler.seed is None):
-            from .fallback import FallbackController
+            from .decoding.fallback import FallbackController
 
             controller = fallback = FallbackController()
         if use_adaptive(args.adaptive, args.block_size, sampler):
-            from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
+            from .decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrate
 
             adaptive = AdaptiveBlockSize(calibrate(pipe.target, pipe.drafter), pipe.drafter.block_size)
             controller = adaptive if fallback is None else WithFallback(fallback, adaptive)
@@ -258,7 +258,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     print(f"python {platform.python_version()} on {platform.machine()}, torch {torch.__version__}")
     print(f"threads: {torch.get_num_threads()}, cuda: {torch.cuda.is_available()}")
-    from . import flat
+    from .models import flat
 
     probe = flat.script(torch.nn.Identity())  # what decode steps get on a CPU (warns if it cannot compile)
     print(f"torchscript (flat decode and draft passes on CPU): "
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_doctor)
 
     # Each of these modules defines its own sub-command (its heavy imports happen when it runs).
-    for module in ("chat", "server", "bench", "train", "profile"):
+    for module in ("chat", "serve.server", "bench", "train", "profile"):
         if importlib.util.find_spec(f"dflash_torch.{module}") is not None:
             importlib.import_module(f"dflash_torch.{module}").add_parser(sub)
     return parser

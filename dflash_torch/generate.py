@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from . import loading, registry, structured
-from .drafter import DFlashDrafter, load_drafter
-from .sampling import Sampler, TokenLogprobs
-from .speculative import Stats, generate_tokens
-from .structured import Constraint
+from . import loading, registry
+from .decoding import structured
+from .decoding.drafter import DFlashDrafter, load_drafter
+from .decoding.sampling import Sampler, TokenLogprobs
+from .decoding.speculative import Stats, generate_tokens
+from .decoding.structured import Constraint
 
 
 def _byte_level_chars() -> dict[str, int]:
@@ -181,7 +182,7 @@ def load(
     target = loading.load_target(path, dev, dt)
     quantizer = None
     if quantize is not None:
-        from .quantize import BLOCK_FORMATS, quantize_blocks, quantize_int4, quantize_int8
+        from .models.quantize import BLOCK_FORMATS, quantize_blocks, quantize_int4, quantize_int8
 
         if quantize not in ("int8", "int4", *BLOCK_FORMATS):
             raise ValueError(f"unknown quantization {quantize!r} (choose auto, none, {', '.join(BLOCK_FORMATS)}, "
@@ -199,13 +200,13 @@ def load(
         else:
             quantizer = quantize_int4 if quantize == "int4" else quantize_int8
             quantizer(target, head=head)
-    from .quantize import exact_prefill
+    from .models.quantize import exact_prefill
 
     # Every target, not only those quantized above: it acts wherever a quantizer marked the layers
     # (exact_verify), and is a no-op on a float target. Before the CUDA-graph wrapper, on the layers.
     exact = exact_prefill(target)
     if cuda_graphs:
-        from .cudagraph import GraphedTarget
+        from .models.cudagraph import GraphedTarget
 
         target = GraphedTarget(target)
     tokenizer = loading.load_tokenizer(path)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import gemma4, llama, qwen3_5, qwen3_5_moe, qwen3_moe
+from .models import gemma4, llama, qwen3_5, qwen3_5_moe, qwen3_moe
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

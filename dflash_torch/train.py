@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from . import data as dataset
 from . import loading, registry
-from .drafter import Blocks, DFlashDrafter, load_drafter, num_params
+from .decoding.drafter import Blocks, DFlashDrafter, load_drafter, num_params
 
 # --- the drafter ----------------------------------------------------------------------------------
 
@@ -242,7 +242,7 @@ def heldout_eval(target, tokenizer, stop_ids, drafter, *, per_kind: int = 8, max
     """Mean acceptance length (tokens per verify pass, bonus included) of the real speculative loop,
     greedy, on held-out chat / code / math prompts: {"chat": x, "code": y, "math": z, "all": mean},
     each the mean over prompts of `Stats.acceptance_length_mean` (what `dflash generate --json` reports)."""
-    from .speculative import Stats, generate_tokens
+    from .decoding.speculative import Stats, generate_tokens
 
     out, every = {}, []
     for kind, chats in dataset.heldout_prompts(per_kind, per_kind, per_kind).items():

@@ -48,7 +48,7 @@ def make_hf_model(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
 
 def make_drafter(target_path: Path, path: Path, *, layers: int = 2, block_size: int = 8, seed: int = 0) -> Path:
     """A random drafter in the published format for the target at `target_path`."""
-    from dflash_torch.drafter import DFlashDrafter
+    from dflash_torch.decoding.drafter import DFlashDrafter
 
     t = json.loads((target_path / "config.json").read_text())
     cfg = {
@@ -92,7 +92,7 @@ def small_vocab(tmp_path_factory):
     property tested (the accept / residual arithmetic of rejection sampling) does not depend on depth,
     and these tests run thousands of generations, whose cost is per layer."""
     from dflash_torch import loading
-    from dflash_torch.drafter import load_drafter
+    from dflash_torch.decoding.drafter import load_drafter
 
     base = tmp_path_factory.mktemp("sv")
     path = make_hf_model("llama", base / "t", seed=7, vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64,

@@ -53,7 +53,7 @@ def test_chat_refuses_what_it_cannot_do(chat_model, zlab, monkeypatch, capsys):
 
 def test_chat_with_a_grammar_and_penalties(chat_model, monkeypatch, capsys):
     """--regex and --presence-penalty hold for every reply, as in one-shot generation."""
-    from dflash_torch.sampling import Sampler
+    from dflash_torch.decoding.sampling import Sampler
 
     target, draft = chat_model
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello\nAgain\n"))

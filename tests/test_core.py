@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_torch import loading
-from dflash_torch.drafter import build_target_layer_ids, load_drafter
+from dflash_torch.decoding.drafter import build_target_layer_ids, load_drafter
 
 KINDS = ("llama", "qwen2", "qwen3")
 
@@ -99,7 +99,7 @@ def test_rollback_is_bit_exact(tiny_models):
 @pytest.mark.parametrize("dim", [16, 64, 576])
 def test_rms_norm_fast_path_equals_reference(dim):
     """RMSNorm's one-call float32 path computes exactly the plain eight-operator formula."""
-    from dflash_torch.layers import RMSNorm
+    from dflash_torch.models.layers import RMSNorm
 
     g = torch.Generator().manual_seed(dim)
     norm = RMSNorm(dim, 1e-5)
@@ -116,7 +116,7 @@ def test_skinny_linear_agrees_with_f_linear():
     0, and for other dtypes."""
     import torch.nn.functional as F
 
-    from dflash_torch.layers import linear
+    from dflash_torch.models.layers import linear
 
     g = torch.Generator().manual_seed(0)
     for bias in (False, True):
@@ -142,8 +142,8 @@ def test_skinny_linear_agrees_with_f_linear():
 def test_skinny_linear_keeps_the_model(tiny_models):
     """A target with the skinny float32 matmuls against the same target on F.linear alone: logits to float32
     rounding, and the same greedy tokens (the switch is `layers.set_skinny_rows`)."""
-    from dflash_torch.layers import Linear, set_skinny_rows
-    from dflash_torch.speculative import generate_tokens
+    from dflash_torch.decoding.speculative import generate_tokens
+    from dflash_torch.models.layers import Linear, set_skinny_rows
 
     for kind, path in tiny_models.items():
         fast = loading.load_target(path, torch.device("cpu"), torch.float32)
@@ -242,8 +242,8 @@ def test_generate_picks_block_sizes_adaptively_unless_told_not_to(zlab, capsys):
     """generate runs the adaptive block size by default (the widths it chose are in --json); --no-adaptive
     and --block-size turn it off, and so does a seeded sampled run (its draws must not depend on timing).
     The tokens are the target's greedy tokens every way."""
-    from dflash_torch.adaptive import use_adaptive
-    from dflash_torch.sampling import Sampler
+    from dflash_torch.decoding.adaptive import use_adaptive
+    from dflash_torch.decoding.sampling import Sampler
 
     case = json.loads((zlab / "expected.json").read_text())["generate"][0]
     base = ["generate", "--model", str(zlab / "target"), "--draft", str(zlab / "draft"), "--max-tokens", "24",
@@ -320,7 +320,7 @@ def test_default_model_generates_text(tmp_path, monkeypatch, capsys):
     from dflash_torch.generate import load
 
     assert load(None, None, "cpu", quiet=True).quantize is None  # the library's default: as loaded
-    from dflash_torch.quantize import BlockLinear, Int4Linear
+    from dflash_torch.models.quantize import BlockLinear, Int4Linear
 
     auto = load(None, None, "cpu", quiet=True, quantize="auto")
     assert auto.quantize == "q4_1" and auto.lm_head == "q8_0"

@@ -8,10 +8,11 @@ import random
 import pytest
 import torch
 
-from dflash_torch import loading, quantize
-from dflash_torch.drafter import VOCAB_FILE, load_drafter
-from dflash_torch.layers import SKINNY_ROWS, set_skinny_rows
-from dflash_torch.speculative import Stats, generate_tokens
+from dflash_torch import loading
+from dflash_torch.decoding.drafter import VOCAB_FILE, load_drafter
+from dflash_torch.decoding.speculative import Stats, generate_tokens
+from dflash_torch.models import quantize
+from dflash_torch.models.layers import SKINNY_ROWS, set_skinny_rows
 
 from .conftest import assert_within_steps, make_drafter
 from .test_lossless import clear_margins
@@ -164,7 +165,7 @@ def test_draft_vocab_file_roundtrip_and_errors(zlab, tmp_path):
 
 
 def test_draft_labels():
-    from dflash_torch.drafter import DFlashDrafter
+    from dflash_torch.decoding.drafter import DFlashDrafter
 
     d = DFlashDrafter.__new__(DFlashDrafter)
     torch.nn.Module.__init__(d)

@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from dflash_torch import cli, generate, load, registry
-from dflash_torch import server as server_module
-from dflash_torch.server import ServerConfig, create_app
-from dflash_torch.speculative import _run_prompt
+from dflash_torch.decoding.speculative import _run_prompt
+from dflash_torch.serve import server as server_module
+from dflash_torch.serve.server import ServerConfig, create_app
 
 pytestmark = pytest.mark.slow
 generate_module = importlib.import_module("dflash_torch.generate")  # the package's `generate` is the function

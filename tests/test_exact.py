@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dflash_torch import loading
-from dflash_torch.drafter import load_drafter
-from dflash_torch.quantize import exact_prefill, quantize_blocks
-from dflash_torch.speculative import Stats, generate_tokens
+from dflash_torch.decoding.drafter import load_drafter
+from dflash_torch.decoding.speculative import Stats, generate_tokens
+from dflash_torch.models.quantize import exact_prefill, quantize_blocks
 
 from .conftest import make_drafter
 from .test_lossless import OracleDrafter

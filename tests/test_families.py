@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_torch import gemma4, layers, loading, qwen3_5
-from dflash_torch.cache import KVCache
-from dflash_torch.drafter import load_drafter
-from dflash_torch.speculative import Stats, generate_tokens
+from dflash_torch import loading
+from dflash_torch.decoding.drafter import load_drafter
+from dflash_torch.decoding.speculative import Stats, generate_tokens
+from dflash_torch.models import gemma4, layers, qwen3_5
+from dflash_torch.models.cache import KVCache
 
 from .conftest import make_drafter
 
@@ -223,7 +224,7 @@ def test_penalties_and_logprobs_with_rollback(families, name, tmp_path):
     """Penalised greedy decoding with log-probabilities through a recurrent-state target (Qwen3.5) and a
     sliding-window one (Gemma 4): speculation, with rollback after rejections, gives target-only's tokens
     and log-probabilities."""
-    from dflash_torch.sampling import Sampler, TokenLogprobs
+    from dflash_torch.decoding.sampling import Sampler, TokenLogprobs
 
     path, _, ours = families[name]
     drafter = load_drafter(make_drafter(path, tmp_path / "draft", block_size=8))
@@ -404,7 +405,7 @@ def test_moe_and_bidirectional_configs_are_refused():
 @pytest.mark.parametrize("name", ["qwen3_5", "gemma4", "gemma3"])
 def test_fused_mlp_changes_nothing(families, name, quant):
     """Quantizing fuses each MLP's gate/up into one layer: bit-identical logits to separate layers."""
-    from dflash_torch.quantize import quantize_int4, quantize_int8
+    from dflash_torch.models.quantize import quantize_int4, quantize_int8
 
     quantizer = quantize_int8 if quant == "int8" else quantize_int4
     path = families[name][0]
@@ -423,7 +424,7 @@ def test_fused_mlp_changes_nothing(families, name, quant):
 
 def test_cuda_graphs_refuse_other_families(families):
     """--cuda-graphs covers Llama-family targets; the others say so instead of failing mid-generation."""
-    from dflash_torch.cudagraph import GraphedTarget
+    from dflash_torch.models.cudagraph import GraphedTarget
 
     for name in ("qwen3_5", "qwen3_5_moe", "qwen3_moe", "gemma4", "gemma3"):
         with pytest.raises(ValueError, match="Llama-family"):
@@ -435,7 +436,7 @@ def test_cuda_graphs_refuse_other_families(families):
 def test_moe_quantized_speculation_is_exact(families, name, tmp_path):
     """int4 weights on an MoE target (the shared expert and attention quantized, the experts as loaded):
     speculation with a drafter and prompt lookup gives target-only decoding's tokens bit for bit."""
-    from dflash_torch.quantize import quantize_int4
+    from dflash_torch.models.quantize import quantize_int4
 
     path = families[name][0]
     ours = quantize_int4(loading.load_target(path, CPU, torch.float32))

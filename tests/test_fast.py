@@ -7,13 +7,14 @@ import random
 import pytest
 import torch
 
-from dflash_torch import layers, loading
-from dflash_torch.adaptive import AdaptiveBlockSize, calibrate
-from dflash_torch.drafter import FlatDraft, load_drafter
+from dflash_torch import loading
+from dflash_torch.decoding.adaptive import AdaptiveBlockSize, calibrate
+from dflash_torch.decoding.drafter import FlatDraft, load_drafter
+from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import Pipeline
+from dflash_torch.models import layers
+from dflash_torch.models.quantize import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from dflash_torch.profile import profile_pipeline
-from dflash_torch.quantize import Int4Linear, Int8Linear, quantize_int4, quantize_int8
-from dflash_torch.speculative import Stats, generate_tokens
 
 from .conftest import BF16_STEP, F32_STEP, assert_within_steps, make_drafter, within_steps
 from .test_lossless import OracleDrafter, clear_margins
@@ -211,7 +212,7 @@ def test_adaptive_full_block_tries_cost_what_they_are_allowed_to():
 
 
 def test_calibrate_measures_each_block_size(pair, monkeypatch):
-    from dflash_torch import drafter as drafter_module
+    from dflash_torch.decoding import drafter as drafter_module
 
     path, dpath = pair
     target = loading.load_target(path, torch.device("cpu"), torch.float32)
@@ -304,7 +305,7 @@ def _passes(target, prompt: list[int], block: list[int]):
 def test_static_shape_passes_match_dynamic(tiny_models, kind):
     """The static-shape forward that CUDA graphs capture (positions as a tensor, masked attention over the
     whole cache) computes the same passes as the dynamic one, and writes the same cache."""
-    from dflash_torch.cudagraph import GraphedTarget
+    from dflash_torch.models.cudagraph import GraphedTarget
 
     target = loading.load_target(tiny_models[kind], torch.device("cpu"), torch.float32)
     static = GraphedTarget(target, use_graphs=False)
@@ -323,7 +324,7 @@ def test_static_shape_passes_match_dynamic(tiny_models, kind):
 def test_static_shapes_keep_speculative_equal_to_target_only(pair, tiny_models):
     """Through the static-shape target (what --cuda-graphs replays), DFlash greedy == target-only greedy,
     a drafter that is the truth is fully accepted, and bad uses are clear errors."""
-    from dflash_torch.cudagraph import GraphedTarget
+    from dflash_torch.models.cudagraph import GraphedTarget
 
     path, dpath = pair
     plain = loading.load_target(path, torch.device("cpu"), torch.float32)
@@ -357,7 +358,7 @@ def test_static_shapes_keep_speculative_equal_to_target_only(pair, tiny_models):
 def test_cuda_graph_replay_equals_eager(pair):
     """On a GPU: graph replays give bit-identical logits and cache to the same static passes run eagerly,
     and DFlash greedy through graphs == target-only greedy through graphs."""
-    from dflash_torch.cudagraph import GraphedTarget
+    from dflash_torch.models.cudagraph import GraphedTarget
 
     path, dpath = pair
     dev = torch.device("cuda")
@@ -478,8 +479,8 @@ def test_flat_decode_follows_replaced_layers_and_windows(tiny_models):
 def test_flat_verify_and_exact_prefill_equal_module_path(tiny_models, kind, quant, monkeypatch):
     """Quantized targets attend one query at a time in verify passes (and in prefills with
     quantize.exact_prefill); those passes take the flat path too, bit for bit the module path's."""
-    from dflash_torch import llama
-    from dflash_torch.quantize import exact_prefill
+    from dflash_torch.models import llama
+    from dflash_torch.models.quantize import exact_prefill
 
     target = _load(tiny_models[kind], quant)
     widths = []
@@ -584,7 +585,7 @@ def test_draft_window_attends_sinks_and_recent_positions(pair, quant, monkeypatc
     """A windowed drafter (set_window) proposes what the whole-context drafter proposes when the positions
     its cache left out are masked, flat path or modules, over cycles that trim new context and compact the
     cache; its cache stays within the window; speculative output still equals target-only output."""
-    from dflash_torch import drafter as drafter_module
+    from dflash_torch.decoding import drafter as drafter_module
 
     monkeypatch.setattr(drafter_module, "WINDOW_SLACK", 4)
     path, dpath = pair

@@ -16,7 +16,7 @@ from torch import nn
 
 from dflash_torch import kernels
 from dflash_torch.kernels import pack, reference
-from dflash_torch.quantize import BlockLinear, fuse_projections
+from dflash_torch.models.quantize import BlockLinear, fuse_projections
 
 pytestmark = pytest.mark.fastpath
 ROOT = Path(__file__).resolve().parents[1]
@@ -256,7 +256,7 @@ def test_residual_add_inside_the_kernel_equals_adding_after(fmt):
 def test_rope_attention_equals_its_operators():
     """rope_attention (rotation, cache writes and attention in one call) == flat.rotate, the cache copies and
     causal_attention as separate operators, bit for bit; the reference writes the same cache."""
-    from dflash_torch import flat
+    from dflash_torch.models import flat
 
     gen = torch.Generator().manual_seed(11)
     t, h, hkv, d, start = 5, 4, 2, 16, 9

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dflash_torch import loading
-from dflash_torch.drafter import load_drafter
-from dflash_torch.lookup import PromptLookup
-from dflash_torch.sampling import Sampler
-from dflash_torch.speculative import Stats, generate_tokens
+from dflash_torch.decoding.drafter import load_drafter
+from dflash_torch.decoding.lookup import PromptLookup
+from dflash_torch.decoding.sampling import Sampler
+from dflash_torch.decoding.speculative import Stats, generate_tokens
 
 from .conftest import make_drafter
 from .test_lossless import clear_margins
@@ -154,7 +154,7 @@ def test_unchecked_positions_are_valued_geometrically():
     """An untested wide draft is not valued as a flat run of even chances: where a wide verify costs
     several steps the first draft is narrow, and a loop that keeps being kept whole (the bonus token
     checking one position further each time) widens it to the full width."""
-    from dflash_torch.lookup import UNSEEN_RATIO
+    from dflash_torch.decoding.lookup import UNSEEN_RATIO
 
     lk = PromptLookup([1, 2, 3])
     for w in range(1, 17):

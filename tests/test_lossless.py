@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dflash_torch import loading
-from dflash_torch.cache import KVCache
-from dflash_torch.drafter import load_drafter
-from dflash_torch.sampling import History, Sampler, TokenLogprobs
-from dflash_torch.speculative import Stats, generate_tokens
+from dflash_torch.decoding.drafter import load_drafter
+from dflash_torch.decoding.sampling import History, Sampler, TokenLogprobs
+from dflash_torch.decoding.speculative import Stats, generate_tokens
+from dflash_torch.models.cache import KVCache
 
 from .conftest import make_drafter
 
@@ -239,7 +239,7 @@ def test_logprobs_equal_target_only(models_and_drafters):
 @pytest.mark.fastpath
 def test_logprobs_bit_exact_with_quantized_weights(tiny_models):
     """With int4 weights a verify pass reproduces decode steps bit for bit, and so do the logprobs."""
-    from dflash_torch.quantize import quantize_int4
+    from dflash_torch.models.quantize import quantize_int4
 
     target = loading.load_target(tiny_models["llama"], torch.device("cpu"), torch.float32)
     quantize_int4(target)
@@ -300,7 +300,7 @@ def test_penalties_keep_speculative_greedy_equal_to_target_only(models_and_draft
 
 @pytest.mark.fastpath
 def test_penalties_bit_exact_with_quantized_weights(tiny_models):
-    from dflash_torch.quantize import quantize_int4
+    from dflash_torch.models.quantize import quantize_int4
 
     target = loading.load_target(tiny_models["qwen3"], torch.device("cpu"), torch.float32)
     quantize_int4(target)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from dflash_torch import loading
-from dflash_torch.drafter import load_drafter
-from dflash_torch.prefix_cache import PrefixCache
-from dflash_torch.quantize import exact_prefill, quantize_int4
-from dflash_torch.speculative import Stats, generate_tokens
+from dflash_torch.decoding.drafter import load_drafter
+from dflash_torch.decoding.prefix_cache import PrefixCache
+from dflash_torch.decoding.speculative import Stats, generate_tokens
+from dflash_torch.models.quantize import exact_prefill, quantize_int4
 
 from .conftest import make_drafter
 from .test_families import GEMMA4, QWEN, _save
@@ -222,7 +222,7 @@ def test_single_cache_targets(tiny_models, tmp_path):
     """A target that owns one cache (`--cuda-graphs`, here its static-shape passes without graphs on a
     CPU) rewinds it for every new_cache: hits reuse it, and an entry is dropped once anything else has
     been handed the cache (a generation without the prefix cache, a calibration)."""
-    from dflash_torch.cudagraph import GraphedTarget
+    from dflash_torch.models.cudagraph import GraphedTarget
 
     path = tiny_models["llama"]
     plain = loading.load_target(path, CPU, torch.float32)
@@ -289,7 +289,7 @@ def test_entries_pushed_out_go_to_disk_and_come_back(targets, tmp_path):
     """With one entry in memory and a disk store: a second conversation pushes the first to a file; the
     first's next turn reads it back (every family, the hybrid's state included) and decodes as cold; the
     same prompt again replays from disk; files over the disk budget are removed."""
-    from dflash_torch.prefix_cache import DiskStore
+    from dflash_torch.decoding.prefix_cache import DiskStore
 
     tokens = 0
     for name, target, drafter in targets:
@@ -368,7 +368,7 @@ def test_a_shared_beginning_does_not_cost_the_conversation_its_cache(targets):
 def test_chunked_prefill(targets, tiny_models):
     """A prompt run in passes of a few tokens (--prefill-step-size) gives the one-pass prefill's logits and
     cache (float32: to rounding; quantized with exact prefill: bit for bit) and the same generations."""
-    from dflash_torch.speculative import _run_prompt
+    from dflash_torch.decoding.speculative import _run_prompt
 
     rng = random.Random(3)
     tokens = 0

@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from dflash_torch.sampling import History, Sampler
-from dflash_torch.speculative import Stats, generate_tokens
+from dflash_torch.decoding.sampling import History, Sampler
+from dflash_torch.decoding.speculative import Stats, generate_tokens
 
 from .conftest import SMALL_VOCAB
 

@@ -25,10 +25,17 @@ import pytest
 import torch
 
 from dflash_torch import cli
-from dflash_torch.fallback import FallbackController
+from dflash_torch.decoding.fallback import FallbackController
+from dflash_torch.decoding.speculative import generate_tokens
 from dflash_torch.generate import Pipeline, generate, load
-from dflash_torch.server import ServerConfig, TextStream, create_app, parse_bytes, parse_messages, responses_to_chat
-from dflash_torch.speculative import generate_tokens
+from dflash_torch.serve.server import (
+    ServerConfig,
+    TextStream,
+    create_app,
+    parse_bytes,
+    parse_messages,
+    responses_to_chat,
+)
 
 from .conftest import make_drafter, make_hf_model
 
@@ -296,7 +303,7 @@ def test_logprobs(server, pipe):
 def test_penalties_and_logit_bias(server, pipe):
     """OpenAI's presence/frequency penalties, vLLM's repetition_penalty and logit_bias: the server (drafter
     and prompt lookup on) gives what target-only decoding with the same settings gives."""
-    from dflash_torch.sampling import Sampler
+    from dflash_torch.decoding.sampling import Sampler
 
     c = client(server)
     ids = pipe.encode_messages(MSGS)
@@ -426,7 +433,7 @@ def test_several_choices(server, pipe):
 
 
 def test_generate_command_penalties(pipe, chat_model, capsys):
-    from dflash_torch.sampling import Sampler
+    from dflash_torch.decoding.sampling import Sampler
 
     base = ["generate", "--model", str(chat_model[0]), "--draft", str(chat_model[1]), "--device", "cpu",
             "--prompt", "Hello", "--max-tokens", "20", "--json"]
@@ -692,7 +699,7 @@ def test_health_is_503_while_loading_then_200(pipe):
 
 
 def test_a_failing_startup_summary_does_not_stop_the_worker(pipe, monkeypatch):
-    from dflash_torch import server as server_module
+    from dflash_torch.serve import server as server_module
 
     def broken(self):
         raise AttributeError("no such field")
@@ -917,7 +924,7 @@ def test_conversation_turns_start_from_the_prefix_cache(pipe, tmp_path):
 
 
 def test_out_of_memory_empties_the_prefix_cache(pipe, monkeypatch):
-    from dflash_torch import server as server_module
+    from dflash_torch.serve import server as server_module
 
     with serve(pipe) as base:
         r = httpx.post(base + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 8})
@@ -969,7 +976,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 def script_generation(pipe: Pipeline, monkeypatch) -> dict:
     """Make the server's generations the token ids of script["text"] (one token per character) and then
     a stop token: for behaviour the tiny random model cannot show (tool calls, reasoning)."""
-    from dflash_torch import server as server_module
+    from dflash_torch.serve import server as server_module
 
     script = {"text": ""}
 
@@ -1268,7 +1275,7 @@ def test_messages_api(server, pipe, monkeypatch):
 def test_fill_in_the_middle(pipe, tmp_path, monkeypatch):
     """Completions with a `suffix`: the prompt in the model's fill-in-the-middle format (its FIM tokens), the
     fill stopped by the format's end tokens too; a model without FIM tokens answers 400."""
-    from dflash_torch import server as server_module
+    from dflash_torch.serve import server as server_module
 
     fim = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>"]
     target, draft = make_chat_model(tmp_path, SPECIALS + fim)
@@ -1305,7 +1312,7 @@ def test_tool_call_stream_any_chunking():
     calls parse at the end; anything that is not a clean call of a declared tool stays content."""
     import random as rnd
 
-    from dflash_torch.tool_calls import ToolCallStream
+    from dflash_torch.serve.tool_calls import ToolCallStream
 
     call = '<tool_call>{"name": "get_weather", "arguments": %s}</tool_call>'
     cases = [  # text -> (content, names of calls)
@@ -1376,7 +1383,7 @@ def test_model_without_tokenizer_takes_token_ids(zlab, monkeypatch):
 def test_reasoning_splitter_any_chunking():
     import random as _random
 
-    from dflash_torch.reasoning import ReasoningSplitter
+    from dflash_torch.serve.reasoning import ReasoningSplitter
 
     cases = [("<think>\nstep one\n</think>\n\nThe answer.", False, "\nstep one\n", "The answer."),
              ("still thinking</think>\nDone <think>not a tag here</think>", True, "still thinking",
@@ -1399,7 +1406,7 @@ def test_reasoning_splitter_any_chunking():
 
 
 def test_reasoning_tags_detected(pipe):
-    from dflash_torch.reasoning import has_think_tags, starts_inside
+    from dflash_torch.serve.reasoning import has_think_tags, starts_inside
 
     assert starts_inside("<|assistant|><think>\n") and not starts_inside("<think>a</think>\n<|assistant|>")
     assert not starts_inside("<|assistant|>")
@@ -1520,7 +1527,7 @@ def test_forced_tool_calls(server, pipe):
 
 
 def test_forced_call_grammar_formats():
-    from dflash_torch.tool_calls import forced_call_grammar
+    from dflash_torch.serve.tool_calls import forced_call_grammar
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert forced_call_grammar("... <tool_call> ...", tools).startswith('start: "<tool_call>"')

@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 
+from dflash_torch.decoding.sampling import Sampler
+from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import generate, load
-from dflash_torch.sampling import Sampler
-from dflash_torch.speculative import Stats, generate_tokens
 
 from .test_server import ScriptedDrafter, make_chat_model
 

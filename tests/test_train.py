@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dflash_torch import cli, data, loading, train
-from dflash_torch.drafter import load_drafter
-from dflash_torch.speculative import generate_tokens
+from dflash_torch.decoding.drafter import load_drafter
+from dflash_torch.decoding.speculative import generate_tokens
 
 from .conftest import ROOT, make_hf_model
 

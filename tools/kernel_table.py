@@ -48,7 +48,7 @@ def rotating(fn, weights: list):
 def kernel_rows(rows: list[int], isas: list[str] | None = None) -> list[dict]:
     from dflash_torch import kernels
     from dflash_torch.kernels import pack
-    from dflash_torch.quantize import Int4Linear
+    from dflash_torch.models.quantize import Int4Linear
 
     kernels.ensure()
     # (column, format, instruction-set code): -1 lets each call pick, as the engine's calls do

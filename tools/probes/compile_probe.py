@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from dflash_torch import llama
 from dflash_torch.generate import load
-from dflash_torch.layers import attend
-from dflash_torch.rope import apply_rotary
+from dflash_torch.models import llama
+from dflash_torch.models.layers import attend
+from dflash_torch.models.rope import apply_rotary
 
 
 def before_cache(layer: llama.DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

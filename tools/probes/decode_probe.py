@@ -19,7 +19,7 @@ import time
 import torch
 
 from dflash_torch.generate import load
-from dflash_torch.quantize import fuse_projections, quantize_int4, quantize_int8
+from dflash_torch.models.quantize import fuse_projections, quantize_int4, quantize_int8
 
 
 def main() -> None:

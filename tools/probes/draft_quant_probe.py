@@ -14,10 +14,10 @@ import argparse
 
 import torch
 
+from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import load
+from dflash_torch.models.quantize import quantize_int4, quantize_int8
 from dflash_torch.profile import profile_pipeline
-from dflash_torch.quantize import quantize_int4, quantize_int8
-from dflash_torch.speculative import Stats, generate_tokens
 
 PROMPTS = ["Explain recursion in two sentences.", "Write a Python function that reverses a list.",
            "What is the capital of France? Answer briefly.", "List five animals that live in the ocean."]

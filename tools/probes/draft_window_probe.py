@@ -15,8 +15,8 @@ import argparse
 import torch
 
 from dflash_torch import data
+from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import load
-from dflash_torch.speculative import Stats, generate_tokens
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_torch.generate import load
-from dflash_torch.quantize import Int4Linear, Int8Linear
+from dflash_torch.models.quantize import Int4Linear, Int8Linear
 
 
 def main() -> None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from dflash_torch.bench import collect_prompts, encode
+from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import load
-from dflash_torch.speculative import Stats, generate_tokens
 
 
 def main() -> None:

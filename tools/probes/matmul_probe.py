@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_torch.quantize import Int4Linear, Int8Linear
+from dflash_torch.models.quantize import Int4Linear, Int8Linear
 
 LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out) per decoder layer
 HEAD = (576, 49152)

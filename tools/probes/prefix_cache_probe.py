@@ -21,10 +21,10 @@ import time
 
 import torch
 
+from dflash_torch.decoding.prefix_cache import DiskStore, PrefixCache
+from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import load
-from dflash_torch.prefix_cache import DiskStore, PrefixCache
-from dflash_torch.quantize import exact_prefill
-from dflash_torch.speculative import Stats, generate_tokens
+from dflash_torch.models.quantize import exact_prefill
 
 TURNS = [
     "Explain what a hash table is, with a short Python example.",

@@ -18,9 +18,9 @@ import time
 import torch
 from torch import nn
 
+from dflash_torch.decoding.speculative import generate_tokens
 from dflash_torch.generate import load
-from dflash_torch.quantize import Int4Linear, Int8Linear, int4_fits
-from dflash_torch.speculative import generate_tokens
+from dflash_torch.models.quantize import Int4Linear, Int8Linear, int4_fits
 
 
 def main() -> None:

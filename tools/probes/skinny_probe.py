@@ -19,9 +19,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dflash_torch import layers
 from dflash_torch.data import encode_chat
 from dflash_torch.generate import load
+from dflash_torch.models import layers
 
 
 def _median_ms(f, repeats: int) -> float:

@@ -21,11 +21,11 @@ import time
 
 import torch
 
-from dflash_torch import structured
-from dflash_torch.fallback import FallbackController
+from dflash_torch.decoding import structured
+from dflash_torch.decoding.fallback import FallbackController
+from dflash_torch.decoding.speculative import Stats
 from dflash_torch.generate import load, stream
-from dflash_torch.speculative import Stats
-from dflash_torch.tool_calls import forced_call_grammar
+from dflash_torch.serve.tool_calls import forced_call_grammar
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer", "maximum": 150},

@@ -22,7 +22,7 @@ import torch
 import dflash_torch
 from dflash_torch import loading
 from dflash_torch import train as T
-from dflash_torch.drafter import load_drafter
+from dflash_torch.decoding.drafter import load_drafter
 
 
 def main() -> None:

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import flat, layers, quantize
-from .cache import KVCache
-from .layers import MLP, Linear, RMSNorm, attend, attention_mask, linear
-from .rope import Rotary, apply_rotary, rope_parameters
+from ..models import flat, layers, quantize
+from ..models.cache import KVCache
+from ..models.layers import MLP, Linear, RMSNorm, attend, attention_mask, linear
+from ..models.rope import Rotary, apply_rotary, rope_parameters
 
 VOCAB_FILE = "draft_vocab.json"
 WINDOW_SLACK = 128  # a windowed cache is compacted when it holds this many positions past sinks + window

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
-from .kernels import pack
+from .. import kernels
+from ..kernels import pack
 from .layers import Linear, RMSNorm
 
 BLOCK_FORMATS = pack.FORMATS  # "q4_0", "q4_1", "q8_0"

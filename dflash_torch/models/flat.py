@@ -144,7 +144,7 @@ def script(layers: nn.Module) -> nn.Module:
     Python bytecode. TorchScript fuses nothing on CPU, so the bits are the same (tests/test_fast.py);
     the time is not (docs/performance.md, "A scripted decode step"). `layers` itself where TorchScript
     cannot compile it."""
-    from . import kernels
+    from .. import kernels
 
     kernels.ensure()  # the graph names torch.ops.dflash.* (the block kernels' branches): they must exist
     try:

@@ -30,15 +30,16 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from . import fim, messages_api, structured
-from .adaptive import AdaptiveBlockSize, WithFallback, calibrate
-from .fallback import FallbackController
-from .generate import Detokenizer, Pipeline, check_lengths, load, prompt_logprobs
-from .prefix_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DiskStore, PrefixCache
+from ..decoding import structured
+from ..decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrate
+from ..decoding.fallback import FallbackController
+from ..decoding.prefix_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DiskStore, PrefixCache
+from ..decoding.sampling import Sampler, TokenLogprobs
+from ..decoding.speculative import Stats, generate_tokens
+from ..decoding.structured import Constraint
+from ..generate import Detokenizer, Pipeline, check_lengths, load, prompt_logprobs
+from . import fim, messages_api
 from .reasoning import ReasoningSplitter, has_think_tags, starts_inside
-from .sampling import Sampler, TokenLogprobs
-from .speculative import Stats, generate_tokens
-from .structured import Constraint
 from .tool_calls import ToolCallStream, forced_call_grammar
 
 log = logging.getLogger("dflash.server")
@@ -684,7 +685,7 @@ class Engine:
 
     @property
     def name(self) -> str:
-        from .loading import DEFAULT_MODEL_NAME
+        from ..loading import DEFAULT_MODEL_NAME
 
         if self.config.served_model_name:
             return self.config.served_model_name
@@ -1688,7 +1689,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
 
 def add_parser(subparsers) -> None:
     """Register `dflash serve` (picked up by cli.build_parser)."""
-    from .cli import _common_model_args, json_object
+    from ..cli import _common_model_args, json_object
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, responses, "
                                             "Anthropic messages, metrics)")
