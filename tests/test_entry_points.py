@@ -27,8 +27,9 @@ import torch
 
 from dflash_torch import cli, generate, load, registry
 from dflash_torch.decoding.speculative import _run_prompt
-from dflash_torch.serve import server as server_module
-from dflash_torch.serve.server import ServerConfig, create_app
+from dflash_torch.serve import engine as engine_module
+from dflash_torch.serve.app import create_app
+from dflash_torch.serve.engine import ServerConfig
 
 pytestmark = pytest.mark.slow
 generate_module = importlib.import_module("dflash_torch.generate")  # the package's `generate` is the function
@@ -100,7 +101,7 @@ def served():
     assert args.quantize == "auto" and args.adaptive is None and not args.no_draft and not args.no_prefix_cache
     assert args.fastpath_max_tokens == 0 and args.prefill_step_size is None
     config = ServerConfig(quantize="auto", adaptive=True)  # cmd_serve: adaptive unless --no-adaptive
-    requests, real = [], server_module.generate_tokens
+    requests, real = [], engine_module.generate_tokens
 
     def recording(target, prompt, **kwargs):
         tokens = []
@@ -110,7 +111,7 @@ def served():
             yield t
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(server_module, "generate_tokens", recording)
+        mp.setattr(engine_module, "generate_tokens", recording)
         app = create_app(config)
         with TestClient(app) as client:
             engine = app.state.engine

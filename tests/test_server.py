@@ -28,14 +28,10 @@ from dflash_torch import cli
 from dflash_torch.decoding.fallback import FallbackController
 from dflash_torch.decoding.speculative import generate_tokens
 from dflash_torch.generate import Pipeline, generate, load
-from dflash_torch.serve.server import (
-    ServerConfig,
-    TextStream,
-    create_app,
-    parse_bytes,
-    parse_messages,
-    responses_to_chat,
-)
+from dflash_torch.serve.app import create_app
+from dflash_torch.serve.engine import ServerConfig, TextStream
+from dflash_torch.serve.protocol import parse_messages, responses_to_chat
+from dflash_torch.serve.server import parse_bytes
 
 from .conftest import make_drafter, make_hf_model
 
@@ -699,12 +695,12 @@ def test_health_is_503_while_loading_then_200(pipe):
 
 
 def test_a_failing_startup_summary_does_not_stop_the_worker(pipe, monkeypatch):
-    from dflash_torch.serve import server as server_module
+    from dflash_torch.serve import engine as engine_module
 
     def broken(self):
         raise AttributeError("no such field")
 
-    monkeypatch.setattr(server_module.Engine, "_banner", broken)
+    monkeypatch.setattr(engine_module.Engine, "_banner", broken)
     with serve(pipe) as base:
         r = httpx.post(base + "/v1/chat/completions", json={"messages": OK_MSGS, "max_tokens": 2}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
@@ -924,7 +920,7 @@ def test_conversation_turns_start_from_the_prefix_cache(pipe, tmp_path):
 
 
 def test_out_of_memory_empties_the_prefix_cache(pipe, monkeypatch):
-    from dflash_torch.serve import server as server_module
+    from dflash_torch.serve import engine as engine_module
 
     with serve(pipe) as base:
         r = httpx.post(base + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 8})
@@ -934,7 +930,7 @@ def test_out_of_memory_empties_the_prefix_cache(pipe, monkeypatch):
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
             yield
 
-        monkeypatch.setattr(server_module, "generate_tokens", oom)
+        monkeypatch.setattr(engine_module, "generate_tokens", oom)
         r = httpx.post(base + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 8})
         assert r.status_code == 500 and metrics_json(base)["prefix_cache"]["entries"] == 0
         monkeypatch.undo()
@@ -976,7 +972,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 def script_generation(pipe: Pipeline, monkeypatch) -> dict:
     """Make the server's generations the token ids of script["text"] (one token per character) and then
     a stop token: for behaviour the tiny random model cannot show (tool calls, reasoning)."""
-    from dflash_torch.serve import server as server_module
+    from dflash_torch.serve import engine as engine_module
 
     script = {"text": ""}
 
@@ -984,7 +980,7 @@ def script_generation(pipe: Pipeline, monkeypatch) -> dict:
         yield from pipe.encode(script["text"], chat=False)[:max_new_tokens]
         yield pipe.stop_token_ids[0]
 
-    monkeypatch.setattr(server_module, "generate_tokens", scripted)
+    monkeypatch.setattr(engine_module, "generate_tokens", scripted)
     return script
 
 
@@ -1275,7 +1271,7 @@ def test_messages_api(server, pipe, monkeypatch):
 def test_fill_in_the_middle(pipe, tmp_path, monkeypatch):
     """Completions with a `suffix`: the prompt in the model's fill-in-the-middle format (its FIM tokens), the
     fill stopped by the format's end tokens too; a model without FIM tokens answers 400."""
-    from dflash_torch.serve import server as server_module
+    from dflash_torch.serve import engine as engine_module
 
     fim = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>"]
     target, draft = make_chat_model(tmp_path, SPECIALS + fim)
@@ -1297,7 +1293,7 @@ def test_fill_in_the_middle(pipe, tmp_path, monkeypatch):
         def scripted(target, prompt, *, max_new_tokens, **kw):
             yield from coder.encode("return a + b", chat=False) + [pad] + coder.encode("junk", chat=False)
 
-        monkeypatch.setattr(server_module, "generate_tokens", scripted)
+        monkeypatch.setattr(engine_module, "generate_tokens", scripted)
         r = c.completions.create(model="t", prompt="def add(a, b):\n    ", suffix="\n", max_tokens=40)
         assert r.choices[0].text == "return a + b" and r.choices[0].finish_reason == "stop"
         r = c.completions.create(model="t", prompt="def add(a, b):\n    ", max_tokens=40)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_torch.bench import collect_prompts, encode
+from dflash_torch.bench_prompts import collect_prompts, encode
 from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import load
 
