@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 HOST ?= 127.0.0.1
 PORT ?= 8000
+TEST_WORKERS ?= 2
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +18,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install --no-deps --target $(VENV)/dflash-ref dflash==0.1.0
 	# the C++ block kernels, built once into the user cache (without a compiler: a warning, the reference)
 	$(PY) -c "from dflash_torch import kernels; print('dflash: block kernels', kernels.ensure(), kernels.best_isa())"
+	# the embedded default model converted into the user cache once, here rather than by whichever test needs it first
+	$(PY) -c "from dflash_torch import loading; print('dflash: default model', loading.resolve_model(None))"
 	touch $@
 
 install: $(VENV)/.installed
@@ -32,10 +35,12 @@ chat: install
 
 test: install
 	$(VENV)/bin/ruff check dflash_torch tests
-	$(PY) -m pytest -q --durations=15
+	# two worker processes (tests/conftest.py keeps each at one thread: tiny models run fastest so), one file
+	# per worker at a time so that a file's module-scoped fixtures load once
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 	# the quantized and bfloat16 kernels again, on PyTorch's AVX2 code (what an x86 CPU without AVX-512 runs);
 	# exit code 5 (no test selected) is not a failure
-	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m fastpath || test $$? -eq 5
+	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m fastpath || test $$? -eq 5
 
 lint: install
 	$(VENV)/bin/ruff check dflash_torch tests

@@ -12,6 +12,12 @@ import torch
 # Tiny models: one thread is fastest (no OpenMP barriers per small op) and keeps results stable.
 torch.set_num_threads(1)
 
+# The C++ kernels from the user cache (built by `make install`), loaded before any test points DFLASH_HOME
+# elsewhere: a test that does must not rebuild them there.
+from dflash_torch import kernels  # noqa: E402
+
+kernels.ensure()
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("DFLASH_SHARED", ROOT.parent / "shared"))
 ZLAB = SHARED / "fixtures" / "zlab-tiny"
