@@ -232,8 +232,11 @@ def test_zlab_generate_cli_matches_expected(zlab, capsys, use_draft):
         if use_draft:
             assert s["mode"] in ("dflash+lookup", "dflash+lookup+fallback") and 1 <= s["cycles"] <= 47
             assert s["acceptance_length_mean"] == pytest.approx(47 / s["cycles"], abs=1e-3)
+            # each verify pass's committed tokens, in order: the first new token comes from the prefill
+            assert len(s["acceptance_lengths"]) == s["cycles"] and sum(s["acceptance_lengths"]) == 47
+            assert all(n >= 1 for n in s["acceptance_lengths"])
         else:
-            assert s["mode"] == "target-only" and s["cycles"] == 48
+            assert s["mode"] == "target-only" and s["cycles"] == 48 and s["acceptance_lengths"] == []
         assert set(s) >= {"generated_tokens", "cycles", "acceptance_length_mean", "acceptance_rate",
                           "prefill_s", "decode_tok_s"}
 
@@ -288,6 +291,31 @@ def test_drafter_mismatch_fails_at_load(zlab, tiny_models):
 
     with pytest.raises(ValueError, match="hidden size|vocab|layers"):
         load(str(tiny_models["llama"]), draft=str(zlab / "draft"), quiet=True)
+
+
+def test_dflash2_drafters_are_refused_with_a_reason(zlab, tmp_path):
+    """A DFlash2 drafter (the fixture in the published layout) is refused by name, not half-loaded; one
+    whose config lacks target_layer_ids is told that first. A first-format config without them still
+    has them derived (the z-lab fixture's says none)."""
+    import shutil
+
+    draft2 = zlab.parent / "zlab-dflash2-tiny" / "draft"
+    if not draft2.is_dir():
+        pytest.fail(f"fixture directory {draft2} is missing (set DFLASH_SHARED to the shared/ folder)")
+    with pytest.raises(ValueError, match="DFlash2 drafter"):
+        load_drafter(draft2)
+    bare = tmp_path / "bare"
+    shutil.copytree(draft2, bare)
+    config = json.loads((bare / "config.json").read_text())
+    config["dflash_config"].pop("target_layer_ids")
+    config.pop("target_layer_ids", None)
+    (bare / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="must name its target_layer_ids"):
+        load_drafter(bare)
+    first = json.loads((zlab / "draft" / "config.json").read_text())
+    assert "target_layer_ids" not in first and "target_layer_ids" not in first.get("dflash_config", {})
+    assert load_drafter(zlab / "draft").target_layer_ids == build_target_layer_ids(
+        first["num_target_layers"], first["num_hidden_layers"])
 
 
 def test_drafter_save_roundtrip(zlab, tmp_path):

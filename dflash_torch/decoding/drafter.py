@@ -522,6 +522,12 @@ def load_drafter(
     config = json.loads(cfg_file.read_text())
     if "dflash_config" not in config and "mask_token_id" not in config:
         raise ValueError(f"{path} does not look like a DFlash drafter (no dflash_config in config.json)")
+    if "DFlash2DraftModel" in config.get("architectures", []):
+        # The second format (dynamic convolutions, a candidate selector) names its taps: none are derived.
+        if dflash_value(config, "target_layer_ids") is None:
+            raise ValueError(f"{path}: a DFlash2 drafter's config must name its target_layer_ids (in dflash_config)")
+        raise ValueError(f"{path} is a DFlash2 drafter (dynamic convolutions and a candidate selector); this "
+                         "version loads drafters of the first DFlash format only")
     state = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -89,6 +89,7 @@ class Stats:
             "generated_tokens": self.generated_tokens,
             "cycles": self.cycles,
             "acceptance_length_mean": round(self.acceptance_length_mean, 4),
+            "acceptance_lengths": list(self.acceptance_lengths),  # tokens committed by each verify pass, in order
             "acceptance_rate": round(self.acceptance_rate, 4),
             "acceptance_per_position": [
                 round(a / d, 4) for a, d in zip(self.accepted_per_position, self.drafted_per_position)
