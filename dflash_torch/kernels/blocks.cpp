@@ -390,7 +390,9 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-ti
   thread_local std::vector<uint8_t> bbuf;  // the column tile's blocks, unpacked: [nb, 8, 64]
   bbuf.resize(nb * 512 + 64);
   uint8_t* bt = (uint8_t*)(((uintptr_t)bbuf.data() + 63) & ~(uintptr_t)63);
-  std::vector<float> dws(nb * 16), mws(fmt == Q4_1 ? nb * 16 : 0);  // the tile's scales (and minimums)
+  thread_local std::vector<float> dws, mws;  // the tile's scales (and minimums), reused across calls
+  dws.resize(nb * 16);
+  if (fmt == Q4_1) mws.resize(nb * 16);
   alignas(64) int32_t ct[2][16 * 16];
   alignas(64) float acc[16 * 16];
   const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
