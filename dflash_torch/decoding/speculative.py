@@ -295,8 +295,10 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
             draft_logits = drafter.propose(target, block, ctx, draft_cache)[0]  # [bs - 1, V]
             if history is not None:  # propose under the target's penalties and bias (the drafts' own repeats aside)
                 draft_logits = sampler.adjust(draft_logits, history)
-            block[0, 1:], draft_probs = (sampler.draft(draft_logits) if constraint is None
-                                         else constraint.draft(draft_logits, sampler))
+            select = getattr(drafter, "select", None)  # a drafter that picks its own tokens (DFlash2)
+            block[0, 1:], draft_probs = (constraint.draft(draft_logits, sampler) if constraint is not None
+                                         else select(draft_logits, token, sampler) if select is not None
+                                         else sampler.draft(draft_logits))
             pending = []  # the drafter's cache holds it now
         out = target(block, cache, logits="all", taps=taps)  # verify: logits at every block position
         accepted, bonus = sampler.verify(block[0, 1:], chosen_from(out.logits[0], block[0, 1:]), draft_probs)
