@@ -5,10 +5,10 @@ the longest prefix that equals the target's own choice is kept plus one bonus to
 and both caches roll back to what was committed. Every emitted token is the target's, so greedy
 output is exactly the target's greedy output.
 
-A cycle's draft may instead come from prompt lookup (`lookup.py`: copy what followed an earlier
-occurrence of the last few tokens), which costs no forward pass; it is taken while it is expected
-to keep more tokens than the drafter, and when the drafter is switched off for the cycle (the
-controller chose a plain step). The target verifies it the same way.
+A cycle's draft comes from one of several proposers (`proposers.py`): the drafter, prompt lookup
+(copy what followed an earlier occurrence of the last few tokens, at no forward pass) and the
+tokens a grammar forces. Each offers the number of drafted tokens it expects to keep; the best
+offer drafts, and the target verifies every draft the same way.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .lookup import PromptLookup
 from .prefix_cache import PrefixCache, Session, capacity_for
+from .proposers import DrafterProposer, ForcedProposer, LookupProposer, plain_step, ranked
 from .sampling import History, Sampler, TokenLogprobs
 from .structured import Constraint
 
@@ -69,8 +69,16 @@ class Stats:
         n = self.generated_tokens - 1
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
-    def record_cycle(self, drafted: int, accepted: int, committed: int) -> None:
+    def record_cycle(self, drafted: int, accepted: int, committed: int, source: str | None = None) -> None:
+        """One verify pass: `drafted` tokens proposed by `source` ("dflash", "lookup", "forced"; None for
+        a plain step), the first `accepted` kept, `committed` tokens added (the target's own included)."""
         self.cycles += 1
+        if source == "lookup":
+            self.lookup_cycles, self.lookup_drafted = self.lookup_cycles + 1, self.lookup_drafted + drafted
+            self.lookup_accepted += accepted
+        elif source == "forced":
+            self.forced_cycles, self.forced_drafted = self.forced_cycles + 1, self.forced_drafted + drafted
+            self.forced_accepted += accepted
         self.widths[drafted + 1] = self.widths.get(drafted + 1, 0) + 1
         self.acceptance_lengths.append(committed)
         self.drafted_tokens += drafted
@@ -205,156 +213,123 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
     cache, logits, hidden = _prefill(target, prompt, n + max_new_tokens + block_size, taps, session, device,
                                      prefill_chunk)
     stats.cached_tokens = session.hit.length if session is not None and session.hit else 0
-    # penalties, a logit bias and a grammar change the target's logits by what came before each position
-    history = History(prompt, vocab, device) if sampler.adjusts else None
+    rules = Rules(sampler, History(prompt, vocab, device) if sampler.adjusts else None, constraint)
 
-    def chosen_from(logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits [T, V] tokens are chosen from: row i as if drafts[:i] had been generated."""
-        if history is not None:
-            logits = sampler.adjust(logits, history, drafts)
-        if constraint is not None:
-            allowed = constraint.mask([] if drafts is None else drafts.tolist(), logits.shape[0])
-            logits = logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
-        return logits
-
-    def decided(tokens: list[int]) -> None:
-        if history is not None:
-            history.add(tokens)
-        if constraint is not None:
-            constraint.commit(tokens)
-
-    token = sampler.sample(chosen_from(logits))[0].item()  # the first token comes from the prefill
-    decided([token])
+    token = sampler.sample(rules.logits(logits))[0].item()  # the first token comes from the prefill
+    rules.commit([token])
     _sync(device)
     stats.prefill_s = time.perf_counter() - t0
     stats.generated_tokens = 1
     stats.cycles = 0 if speculative or lookup else 1
-    t0 = time.perf_counter()
     if logprobs is not None:
         logprobs.add(logits.view(1, -1), [token])
     yield token
     if token in stops or max_new_tokens == 1:
         return
     if not speculative and not lookup:
-        while True:
-            out = target(torch.tensor([[token]], device=device), cache, logits="last")
-            token = sampler.sample(chosen_from(out.logits[0]))[0].item()
-            decided([token])
-            stats.cycles += 1
-            stats.generated_tokens += 1
-            stats.decode_s = time.perf_counter() - t0
-            if logprobs is not None:
-                logprobs.add(out.logits[0], [token])
-            yield token
-            if token in stops or stats.generated_tokens >= max_new_tokens:
-                return
-
+        yield from _decode(target, token, cache, rules, max_new_tokens, stops, stats, logprobs)
+        return
+    proposers = []  # cheapest first: a tie between offers goes to the earlier
+    if lookup:
+        proposers.append(LookupProposer([*prompt, token], lookup_width, sampler, vocab, constraint, lookup_costs))
     if speculative:
-        draft_cache = drafter.new_cache(n + max_new_tokens + block_size)
-        # tap features [1, t, n_taps * H] not yet given to the drafter, joined only when it runs: a
-        # running torch.cat copied the whole backlog every step while the fallback kept it off
-        pending = [hidden]
-    finder = PromptLookup([*prompt, token], max_draft=lookup_width) if lookup else None
-    if finder is not None and lookup_costs is not None:
-        finder.costs = lookup_costs  # the same dict: what this generation measures, the next one knows
-    dflash_mean = 0.0  # running mean of drafted tokens kept per drafter cycle
+        proposers.append(DrafterProposer(drafter, target, block_size, n + max_new_tokens + block_size, hidden,
+                                         sampler, rules.history, constraint, controller, stats, session))
+    if constraint is not None:
+        proposers.append(ForcedProposer(constraint, lookup_width, sampler, vocab))
+    yield from _speculate(target, token, cache, proposers, rules, taps, max_new_tokens, stops, stats, logprobs)
+
+
+@dataclass
+class Rules:
+    """What the target's tokens are chosen by besides its logits: penalties and a logit bias (which
+    depend on the tokens before each position) and a grammar."""
+
+    sampler: Sampler
+    history: History | None
+    constraint: Constraint | None
+
+    def logits(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits [T, V] tokens are chosen from: row i as if drafts[:i] had been generated."""
+        if self.history is not None:
+            logits = self.sampler.adjust(logits, self.history, drafts)
+        if self.constraint is not None:
+            allowed = self.constraint.mask([] if drafts is None else drafts.tolist(), logits.shape[0])
+            logits = logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
+        return logits
+
+    def commit(self, tokens: list[int]) -> None:
+        if self.history is not None:
+            self.history.add(tokens)
+        if self.constraint is not None:
+            self.constraint.commit(tokens)
+
+
+def _decode(target, token: int, cache, rules: Rules, max_new_tokens: int, stops: set[int], stats: Stats,
+            logprobs: TokenLogprobs | None) -> Iterator[int]:
+    """Target-only decoding after the first token: one token per pass."""
+    device, t0 = _device(target), time.perf_counter()
+    while True:
+        out = target(torch.tensor([[token]], device=device), cache, logits="last")
+        token = rules.sampler.sample(rules.logits(out.logits[0]))[0].item()
+        rules.commit([token])
+        stats.cycles += 1
+        stats.generated_tokens += 1
+        stats.decode_s = time.perf_counter() - t0
+        if logprobs is not None:
+            logprobs.add(out.logits[0], [token])
+        yield token
+        if token in stops or stats.generated_tokens >= max_new_tokens:
+            return
+
+
+def _speculate(target, token: int, cache, proposers: list, rules: Rules, taps, max_new_tokens: int,
+               stops: set[int], stats: Stats, logprobs: TokenLogprobs | None) -> Iterator[int]:
+    """Speculative decoding after the first token: propose -> verify -> accept -> commit -> observe."""
+    device, t0 = _device(target), time.perf_counter()
     while True:
         remaining = max_new_tokens - stats.generated_tokens
         t_cycle = time.perf_counter()
         pos = cache.length  # position of `token`, committed but not yet run through the target
-        # Which proposer: a lookup match while it keeps more than the drafter does, else the drafter
-        # at the controller's width (1 = a plain target step, where a lookup match is used instead).
-        match = finder.match(remaining - 1) if finder is not None else []
-        found = match[: finder.draft_length(len(match))] if match else []
-        if found and constraint is not None:  # cut where the grammar would refuse it anyway
-            found = found[: constraint.allowed_prefix(found)]
-        use_lookup = bool(found) and (not speculative or finder.expected_tokens(len(found) + 1) - 1 >= dflash_mean)
-        bs = len(found) + 1 if use_lookup else 1
-        # Tokens the grammar leaves no choice about (a JSON key, a closing tag) are a draft the target keeps
-        # (unless it spells the same text with other tokens) at no drafting cost: used when longer than what
-        # the lookup match, or else the drafter, is expected to keep.
-        forced = constraint.forced(min(lookup_width, remaining - 1)) if constraint is not None else []
-        use_forced = len(forced) > (len(found) if use_lookup else dflash_mean if speculative else 0)
-        if use_forced:
-            use_lookup, found, bs = False, forced, len(forced) + 1
-        if speculative and not use_lookup and not use_forced:
-            want = block_size if controller is None else max(1, min(controller.block_size(stats), block_size))
-            bs = min(want, remaining)  # a block of bs positions commits at most bs tokens
-            if bs == 1 and found:
-                use_lookup, bs = True, len(found) + 1
-        block = torch.full((1, bs), drafter.mask_token_id if speculative else 0, dtype=torch.long, device=device)
-        block[0, 0] = token
-        draft_probs = None
-        if use_lookup or use_forced:
-            block[0, 1:] = torch.tensor(found, device=device)
-            if not sampler.greedy:  # a fixed proposal is a one-hot q: rejection sampling stays exact
-                draft_probs = torch.zeros(bs - 1, target.config.vocab_size, device=device)
-                draft_probs[torch.arange(bs - 1), block[0, 1:]] = 1.0
-        elif bs > 1:
-            ctx = pending[0] if len(pending) == 1 else torch.cat(pending, dim=1)  # [1, Tc, n_taps * H]
-            draft_logits = drafter.propose(target, block, ctx, draft_cache)[0]  # [bs - 1, V]
-            if history is not None:  # propose under the target's penalties and bias (the drafts' own repeats aside)
-                draft_logits = sampler.adjust(draft_logits, history)
-            select = getattr(drafter, "select", None)  # a drafter that picks its own tokens (DFlash2)
-            block[0, 1:], draft_probs = (constraint.draft(draft_logits, sampler) if constraint is not None
-                                         else select(draft_logits, token, sampler) if select is not None
-                                         else sampler.draft(draft_logits))
-            pending = []  # the drafter's cache holds it now
-        out = target(block, cache, logits="all", taps=taps)  # verify: logits at every block position
-        accepted, bonus = sampler.verify(block[0, 1:], chosen_from(out.logits[0], block[0, 1:]), draft_probs)
-        new = block[0, 1 : accepted + 1].tolist() + [bonus]
-        new = new[:remaining]
-        for i, t in enumerate(new):
-            if t in stops:
-                new = new[: i + 1]
+        # propose: the offer expected to keep the most drafts; a drafter that the controller switched
+        # off for this cycle declines, and the next offer (else a plain target step) takes it
+        draft = None
+        for offer in ranked([p.offer(remaining) for p in proposers]):
+            draft = offer.proposer.draft(token, remaining, device)
+            if draft is not None:
                 break
-        decided(new)
+        draft = draft or plain_step(token, device)
+        drafts = draft.block[0, 1:]
+        out = target(draft.block, cache, logits="all", taps=taps)  # verify: logits at every block position
+        accepted, bonus = rules.sampler.verify(drafts, rules.logits(out.logits[0], drafts), draft.probs)
+        new = _committed(drafts[:accepted].tolist() + [bonus], remaining, stops)
+        rules.commit(new)
         cache.crop(pos + len(new))  # keep token + the accepted drafts; the last new token is not in yet
-        if speculative:
-            kept = out.hidden[:, : len(new)]
-            if session is not None:  # held until the prefix cache takes it: not the whole block's features
-                kept = kept.clone() if len(new) < bs else kept
-                session.hidden.append(kept)
-            pending.append(kept)
-        stats.record_cycle(bs - 1, accepted, len(new))
-        stats.generated_tokens += len(new)
         now = time.perf_counter()
+        for p in proposers:
+            p.observe(draft, accepted, new, out.hidden, now - t_cycle)
+        stats.record_cycle(draft.width - 1, accepted, len(new), source=getattr(draft.source, "name", None))
+        stats.generated_tokens += len(new)
         stats.decode_s = now - t0
-        if use_lookup:
-            checked, kept = bs - 1, accepted
-            if accepted == bs - 1 and len(match) > checked and len(new) > checked:
-                # kept whole: the bonus token also checks the match's next position, so a draft that
-                # keeps being kept learns one position further each cycle
-                checked, kept = checked + 1, kept + (match[checked] == new[checked])
-            finder.observe(checked, kept)
-            stats.lookup_cycles += 1
-            stats.lookup_drafted += bs - 1
-            stats.lookup_accepted += accepted
-        elif use_forced:
-            stats.forced_cycles += 1
-            stats.forced_drafted += bs - 1
-            stats.forced_accepted += accepted
-        else:
-            if match:  # what the unused match would have kept, as far as the new tokens tell
-                kept = _common_prefix(match, new)
-                finder.observe(min(len(match), len(new), kept + 1), kept, drafted=False)
-            if bs > 1:
-                dflash_mean = 0.7 * dflash_mean + 0.3 * accepted
-            if controller is not None:
-                controller.observe(bs, len(new), now - t_cycle)
-        # Verify-only cycles time the lookup's widths. Not for a seeded sampled run: its random draws
-        # depend on the block widths, so they must not depend on timing (unmeasured widths cost alike).
-        if finder is not None and (use_lookup or bs == 1) and (sampler.greedy or sampler.seed is None):
-            finder.observe_cost(bs, now - t_cycle)
-        if finder is not None:
-            finder.extend(new)
         if logprobs is not None:  # token i of `new` was chosen from row i of the verify pass
             logprobs.add(out.logits[0], new)
-        for t in new:
-            yield t
+        yield from new
         token = new[-1]
         if token in stops or stats.generated_tokens >= max_new_tokens:
             return
+
+
+def _device(target) -> torch.device:
+    return target.embed_tokens.weight.device
+
+
+def _committed(new: list[int], remaining: int, stops: set[int]) -> list[int]:
+    """The tokens a cycle commits: at most `remaining`, up to and including the first stop token."""
+    new = new[:remaining]
+    for i, t in enumerate(new):
+        if t in stops:
+            return new[: i + 1]
+    return new
 
 
 def _prefill(target, prompt: list[int], capacity: int, taps, session: Session | None, device, chunk: int | None):
@@ -399,10 +374,3 @@ def _run_prompt(target, tokens: list[int], cache, taps, chunk: int | None, devic
         features.append(out.hidden)
     hidden = None if not taps else features[0] if len(features) == 1 else torch.cat(features, dim=1)
     return out.logits[0], hidden
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    k = 0
-    while k < len(a) and k < len(b) and a[k] == b[k]:
-        k += 1
-    return k
