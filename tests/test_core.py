@@ -293,17 +293,20 @@ def test_drafter_mismatch_fails_at_load(zlab, tiny_models):
         load(str(tiny_models["llama"]), draft=str(zlab / "draft"), quiet=True)
 
 
-def test_dflash2_drafters_are_refused_with_a_reason(zlab, tmp_path):
-    """A DFlash2 drafter (the fixture in the published layout) is refused by name, not half-loaded; one
-    whose config lacks target_layer_ids is told that first. A first-format config without them still
-    has them derived (the z-lab fixture's says none)."""
+def test_dflash2_drafters_load_and_must_name_their_taps(zlab, tmp_path):
+    """A DFlash2 drafter (the fixture in the published layout) loads as one (tests/test_dflash2.py checks
+    what it computes); one whose config lacks target_layer_ids is refused with that reason. A first-format
+    config without them still has them derived (the z-lab fixture's says none)."""
     import shutil
+
+    from dflash_torch.decoding.dflash2 import DFlash2Drafter
 
     draft2 = zlab.parent / "zlab-dflash2-tiny" / "draft"
     if not draft2.is_dir():
         pytest.fail(f"fixture directory {draft2} is missing (set DFLASH_SHARED to the shared/ folder)")
-    with pytest.raises(ValueError, match="DFlash2 drafter"):
-        load_drafter(draft2)
+    loaded = load_drafter(draft2)
+    assert isinstance(loaded, DFlash2Drafter) and loaded.target_layer_ids == [1, 5]
+    assert not isinstance(load_drafter(zlab / "draft"), DFlash2Drafter)
     bare = tmp_path / "bare"
     shutil.copytree(draft2, bare)
     config = json.loads((bare / "config.json").read_text())

@@ -18,6 +18,9 @@ Optionally, beside them, `draft_vocab.json` ({"token_ids": [...]}, ours; other l
 tokens the drafter may propose. Its logits then come from those rows of the target's LM head only
 (a fraction of the head's cost); other tokens get -inf. Output is still the target's: only what is
 proposed changes.
+
+The second published format, DFlash2 (dynamic convolutions in every layer, a candidate selector), builds
+on these classes in dflash2.py; `load_drafter` loads either.
 """
 
 from __future__ import annotations
@@ -235,11 +238,13 @@ FlatDraft.__annotations__ = {"lins": list[flat.LinearSpec], "norms": list[torch.
 class DFlashDrafter(nn.Module):
     """A DFlash drafter. Build it from a config dict; load one with `load_drafter`."""
 
+    layer_class: type[nn.Module] = DraftLayer  # a format's layer (dflash2.DFlash2Layer adds its convolutions)
+
     def __init__(self, config: dict) -> None:
         super().__init__()
         c = self.config = dict(config)
         n_layers = c["num_hidden_layers"]
-        self.layers = nn.ModuleList(DraftLayer(c, i) for i in range(n_layers))
+        self.layers = nn.ModuleList(self.layer_class(c, i) for i in range(n_layers))
         ids = dflash_value(c, "target_layer_ids")
         if ids is None:
             ids = build_target_layer_ids(c["num_target_layers"], n_layers)
@@ -406,6 +411,12 @@ class DFlashDrafter(nn.Module):
     def propose(self, target: nn.Module, block: torch.Tensor, ctx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Draft logits [B, bs - 1, V] for block [B, bs] (token then masks) given new context
         features ctx [B, Tc, F] at the positions after the cache's (cache.length + cache.dropped onwards)."""
+        hidden = self.draft_hidden(target, block, ctx, cache)  # [B, bs, H]
+        return self.logits(hidden[:, 1:].to(target.embed_tokens.weight.dtype), target.lm_head)
+
+    def draft_hidden(self, target: nn.Module, block: torch.Tensor, ctx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The drafter's hidden states [B, bs, H] after the final norm for block [B, bs] (see `propose`);
+        the new context goes into the cache."""
         dev = block.device
         base = cache.length + cache.dropped  # position of ctx's first row
         start = base + ctx.shape[1]  # position of the block's first token
@@ -427,7 +438,7 @@ class DFlashDrafter(nn.Module):
             hidden = plan(emb[0].to(self.dtype), ctx[0].to(self.dtype), q_cos[:, None], q_sin[:, None],
                           c_cos[:, None], c_sin[:, None], cache.length, cache.k, cache.v)[None]  # [1, T, H]
             cache.length += ctx.shape[1]
-        return self.logits(hidden[:, 1:].to(target.embed_tokens.weight.dtype), target.lm_head)
+        return hidden
 
     def _slide(self, ctx: torch.Tensor, ctx_pos: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the drafter's context to the sinks and the window: new rows that would fall out of it at once
@@ -467,6 +478,11 @@ class DFlashDrafter(nn.Module):
             self._plan[self.script] = plan
         return self._plan[self.script]
 
+    @staticmethod
+    def map_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor names -> this module's (the first format: as they are)."""
+        return state
+
     def check_target(self, target_config: dict, num_target_layers: int, vocab_size: int) -> None:
         """Fail early, with a message a user can act on, when this drafter cannot serve the target."""
         h = self.config["hidden_size"]
@@ -488,6 +504,11 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"the drafter's draft_vocab.json names token {int(self.draft_vocab.max())}, outside "
                              f"the target vocab ({vocab_size})")
 
+    def saved_settings(self) -> dict:
+        """What `save` writes into `dflash_config` (beside whatever the config already held there)."""
+        return dict(block_size=self.block_size, mask_token_id=self.mask_token_id,
+                    target_layer_ids=self.target_layer_ids)
+
     def save(self, path: str | Path, extra_config: dict | None = None) -> None:
         """Write config.json + model.safetensors in the published format."""
         path = Path(path)
@@ -496,8 +517,7 @@ class DFlashDrafter(nn.Module):
         config.setdefault("architectures", ["DFlashDraftModel"])
         config.setdefault("model_type", "qwen3")
         dc = dict(config.get("dflash_config") or {})
-        dc.update(block_size=self.block_size, mask_token_id=self.mask_token_id,
-                  target_layer_ids=self.target_layer_ids)
+        dc.update(self.saved_settings())
         config["dflash_config"] = dc
         config["block_size"] = self.block_size
         config.update(extra_config or {})
@@ -514,7 +534,8 @@ class DFlashDrafter(nn.Module):
 def load_drafter(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> DFlashDrafter:
-    """Load a drafter directory (config.json + *.safetensors) in the published format."""
+    """Load a drafter directory (config.json + *.safetensors) in a published format: the first DFlash
+    format, or DFlash2 (`architectures` ["DFlash2DraftModel"]: a `dflash2.DFlash2Drafter`)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -522,21 +543,23 @@ def load_drafter(
     config = json.loads(cfg_file.read_text())
     if "dflash_config" not in config and "mask_token_id" not in config:
         raise ValueError(f"{path} does not look like a DFlash drafter (no dflash_config in config.json)")
+    cls = DFlashDrafter
     if "DFlash2DraftModel" in config.get("architectures", []):
         # The second format (dynamic convolutions, a candidate selector) names its taps: none are derived.
         if dflash_value(config, "target_layer_ids") is None:
             raise ValueError(f"{path}: a DFlash2 drafter's config must name its target_layer_ids (in dflash_config)")
-        raise ValueError(f"{path} is a DFlash2 drafter (dynamic convolutions and a candidate selector); this "
-                         "version loads drafters of the first DFlash format only")
+        from .dflash2 import DFlash2Drafter
+
+        cls = DFlash2Drafter
     state = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {path}")
     for f in files:
         state.update(load_file(str(f)))
-    state = {k.removeprefix("model."): v for k, v in state.items()}
+    state = cls.map_state({k.removeprefix("model."): v for k, v in state.items()})
     with torch.device("meta"):
-        drafter = DFlashDrafter(config)
+        drafter = cls(config)
     drafter.rotary = Rotary(
         rope_parameters(config), drafter.layers[0].self_attn.head_dim, config.get("max_position_embeddings", 4096)
     )
