@@ -27,6 +27,7 @@ DRAFTERS: dict[str, str] = {
     "qwen3.5-35b-a3b": "z-lab/Qwen3.5-35B-A3B-DFlash",
     "qwen3.6-27b": "z-lab/Qwen3.6-27B-DFlash",
     "qwen3.6-35b-a3b": "z-lab/Qwen3.6-35B-A3B-DFlash",
+    "qwen3.8-27b": "z-lab/Qwen3.8-27B-DFlash2",  # the DFlash2 format (decoding/dflash2.py)
     "gemma-4-31b-it": "z-lab/gemma-4-31B-it-DFlash",
     "gemma-4-26b-a4b-it": "z-lab/gemma-4-26B-A4B-it-DFlash",
     "llama-3.1-8b-instruct": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",

@@ -383,3 +383,12 @@ def test_incomplete_configs_are_refused(fixture, tmp_path):
     (bare / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="selector_top_k"):
         load_drafter(bare)
+
+
+def test_published_dflash2_drafter_is_registered():
+    """z-lab/Qwen3.8-27B-DFlash2 for Qwen3.8-27B (as dflash-mlx's registry and SGLang's DFlash2 test pair
+    them), found under the target's usual spellings."""
+    from dflash_torch import registry
+
+    for name in ("Qwen/Qwen3.8-27B", "mlx-community/Qwen3.8-27B-4bit", "qwen3.8-27b-q4_k_m.gguf"):
+        assert registry.drafter_for(name) == "z-lab/Qwen3.8-27B-DFlash2", name
