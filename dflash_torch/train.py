@@ -180,6 +180,15 @@ def block_logits(
     batch (`model` is the drafter or its DDP wrapper). The LM head is most of a step's cost, so K < B - 1
     trains faster at the price of untrained late positions (the block itself stays B wide). Blocks attend
     block by block (`drafter.Blocks`); `dense` takes the batch's dense mask instead (the reference)."""
+    hidden = block_hidden(model, drafter, target, batch, device, positions, dense)  # [n_blocks, K, H]
+    # with a draft vocabulary: its rows of the head only (labels through drafter.draft_labels)
+    return drafter.logits(hidden, target.lm_head, full=False)
+
+
+def block_hidden(
+    model, drafter: DFlashDrafter, target, batch: dict, device, positions: int | None = None, dense: bool = False,
+) -> torch.Tensor:
+    """The drafter's hidden states [n_blocks, K, H] at block positions 1..K (see `block_logits`)."""
     B = drafter.block_size
     with torch.no_grad():
         emb = target.embed_tokens(batch["block"].to(device))  # frozen, shared
@@ -194,9 +203,7 @@ def block_logits(
         extra_mask=mask,
     )  # [1, Tq, H]
     k = positions or B - 1
-    hidden = hidden.view(-1, B, hidden.shape[-1])[:, 1 : 1 + k]  # [n_blocks, K, H]
-    # with a draft vocabulary: its rows of the head only (labels through drafter.draft_labels)
-    return drafter.logits(hidden, target.lm_head, full=False)
+    return hidden.view(-1, B, hidden.shape[-1])[:, 1 : 1 + k]  # [n_blocks, K, H]
 
 
 def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -515,6 +522,11 @@ def cmd_train(a: argparse.Namespace) -> int:
         return 0
     if not a.data or not a.out:
         raise ValueError("dflash train needs --data DIR and --out DIR (or --eval DRAFTER_DIR)")
+    if a.selector:
+        from .train_selector import train_selector
+
+        print(json.dumps(train_selector(a)))
+        return 0
     print(json.dumps(train(a)))
     return 0
 
@@ -577,4 +589,11 @@ def add_parser(sub) -> None:
                    help="with --eval: the drafter attends to its first --draft-sinks and last N context positions "
                         "(0: all; default: as its config says)")
     p.add_argument("--draft-sinks", type=int, default=64, metavar="N")
+    p.add_argument("--selector", action="store_true",
+                   help="train a DFlash2 candidate selector for the drafter --init-from (kept frozen) and export a "
+                        "DFlash2 drafter (train_selector.py); --loss-positions: block positions trained (default 8)")
+    p.add_argument("--selector-rank", type=int, default=16, help="with --selector: rank of its codebooks")
+    p.add_argument("--selector-top-k", type=int, default=4, help="with --selector: candidates per position")
+    p.add_argument("--selector-blocks", type=int, default=20000, help="with --selector: training blocks")
+    p.add_argument("--selector-epochs", type=int, default=20, help="with --selector: epochs over those blocks")
     p.set_defaults(func=cmd_train)

@@ -193,3 +193,62 @@ def test_training_blocks_equal_inference_drafts(tiny_data):
             ref = drafter.propose(target, block, f[None, cut:a], cache)  # [1, 7, V]
         labels_ok = b["labels"][j] != -100
         torch.testing.assert_close(logits[j][labels_ok], ref[0][labels_ok], rtol=1e-4, atol=1e-4)
+
+
+def test_selector_training_exports_a_dflash2_drafter(tiny_data, tmp_path):
+    """`dflash train --selector`: the selector's loss falls on its training blocks, the export loads as a
+    DFlash2 drafter whose identity convolutions leave the drafter's hidden states as they were, its
+    selector is the trained one, and generation with it stays lossless."""
+    from safetensors.torch import load_file
+
+    from dflash_torch import train_selector as ts
+
+    target_dir, out = tiny_data
+    first = tmp_path / "d1"
+    run_train(["--data", str(out), "--out", str(tmp_path / "run"), "--steps", "6", "--layers", "1", "--block-size",
+               "8", "--seqs", "2", "--anchors", "4", "--eval-every", "0", "--export", str(first),
+               "--export-dtype", "float32"])
+    target = loading.load_target(target_dir, torch.device("cpu"), torch.float32)
+    d1 = load_drafter(first)
+    records, feats, _ = train.load_data([str(out)])
+    ex = ts.examples(d1, target, records, feats, torch.arange(feats.shape[1]), torch.device("cpu"), blocks=64,
+                     positions=4, top_k=4, seed=0)
+    assert ex["hidden"].shape[:2] == ex["cand"].shape[:2] == ex["labels"].shape == (64, 4)
+    sel = ts.Selector(d1.config["hidden_size"], 256, 8)
+    sel.reset(0)
+    weights = train.position_weights(5, 7.0)
+    rows = torch.arange(64)
+    opt = torch.optim.AdamW(sel.parameters(), lr=1e-2)
+    before = ts.loss_of(sel, ex, rows, weights).item()
+    for _ in range(30):
+        loss = ts.loss_of(sel, ex, rows, weights)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert ts.loss_of(sel, ex, rows, weights).item() < before
+
+    second = tmp_path / "d2"
+    args = cli.build_parser().parse_args([
+        "train", "--selector", "--init-from", str(first), "--data", str(out), "--out", str(tmp_path / "sel"),
+        "--selector-blocks", "64", "--selector-epochs", "2", "--selector-rank", "8", "--loss-positions", "4",
+        "--lr", "1e-2", "--export", str(second), "--export-dtype", "float32"])
+    result = ts.train_selector(args)
+    assert result["selector_tf_accept"] >= result["argmax_tf_accept"]
+    d2 = load_drafter(second)
+    assert type(d2).__name__ == "DFlash2Drafter"
+    saved = load_file(str(second / "model.safetensors"))
+    assert saved["candidate_selector.predecessor_codebook"].shape == (256, 8)
+    assert "candidate_selector.successor_codebook.weight" not in saved  # published layout: no `.weight`
+    for k, v in load_file(str(first / "model.safetensors")).items():
+        assert torch.equal(saved[k], v)  # the drafter's own weights as they were
+    prompt = [5, 17, 42, 99, 3, 8]
+    ctx = torch.randn(1, len(prompt), feats.shape[1])
+    block = torch.full((1, 8), d1.mask_token_id)
+    block[0, 0] = 7
+    with torch.no_grad():
+        h1 = d1.draft_hidden(target, block, ctx, d1.new_cache(16))
+        h2 = d2.draft_hidden(target, block, ctx, d2.new_cache(16))
+    torch.testing.assert_close(h2, h1, rtol=1e-6, atol=1e-6)  # identity convolutions: only the path differs
+    for p in ([5, 17, 42, 99], [7, 8, 9, 10, 11, 12, 13]):
+        assert list(generate_tokens(target, p, max_new_tokens=20, drafter=d2)) == list(
+            generate_tokens(target, p, max_new_tokens=20))
