@@ -127,6 +127,28 @@ def _pvalue(counts: dict, exact: dict, n: int, missing: float = 0.0) -> float:
     return float(chi2.sf(stat, df))
 
 
+def test_training_blocks_side_by_side_convolve_each_block_alone(fixture, target, vector):
+    """A training pass lays blocks side by side (`drafter.Blocks`): each block's convolutions restart at its
+    first position, so its hidden states equal a pass of that block alone over its own context."""
+    from dflash_torch.decoding.drafter import Blocks
+
+    v = vector
+    drafter = load_drafter(fixture / "draft")
+    ctx, bs = v["target_hidden"], 8
+    blocks = v["noise_ids"].repeat(1, 2)
+    blocks[0, bs] = 9  # the second block's anchor
+    ctx_len = torch.tensor([6, 11])  # each block's context: the rows before its anchor
+    q_pos = torch.cat([torch.arange(6, 6 + bs), torch.arange(11, 11 + bs)])
+    with torch.no_grad():
+        emb = target.embed_tokens(blocks)
+        both = drafter(emb, ctx, q_pos, torch.arange(11), extra_mask=Blocks(torch.tensor([0, 0]), ctx_len, bs))
+        for i, n in enumerate(ctx_len.tolist()):
+            alone = drafter(emb[:, i * bs : (i + 1) * bs], ctx[:, :n], q_pos[i * bs : (i + 1) * bs], torch.arange(n))
+            _close(both[:, i * bs : (i + 1) * bs], alone)
+        with pytest.raises(ValueError, match="pass Blocks"):
+            drafter(emb[:, :bs], ctx, q_pos[bs:], torch.arange(11), extra_mask=torch.ones(bs, 11 + bs, dtype=bool))
+
+
 def _cli_json(args, capsys):
     from dflash_torch.cli import main
 
