@@ -249,6 +249,14 @@ def test_selector_training_exports_a_dflash2_drafter(tiny_data, tmp_path):
         h1 = d1.draft_hidden(target, block, ctx, d1.new_cache(16))
         h2 = d2.draft_hidden(target, block, ctx, d2.new_cache(16))
     torch.testing.assert_close(h2, h1, rtol=1e-6, atol=1e-6)  # identity convolutions: only the path differs
+    d2.fuse_context_kv()  # as `generate.load` does: with identity convolutions the flat pass applies, same bits
+    assert d2._flat_plan() is not None
+    with torch.no_grad():
+        flat = d2.draft_hidden(target, block, ctx, d2.new_cache(16))
+        d2.flat = False
+        modules = d2.draft_hidden(target, block, ctx, d2.new_cache(16))
+        d2.flat = True
+    assert torch.equal(flat, modules)
     for p in ([5, 17, 42, 99], [7, 8, 9, 10, 11, 12, 13]):
         assert list(generate_tokens(target, p, max_new_tokens=20, drafter=d2)) == list(
             generate_tokens(target, p, max_new_tokens=20))

@@ -88,6 +88,12 @@ class DynamicConv(nn.Module):
         return out.view(b, length, h)
 
 
+def _is_identity(conv: DynamicConv) -> bool:
+    """Whether `conv` passes its input through unchanged: out = 1 * v[t] + 0 * v[t - o], exactly v."""
+    base = conv.base_kernel.detach()
+    return bool((base[:, 0] == 1).all() and (base[:, 1:] == 0).all() and (conv.kernel_projection.weight == 0).all())
+
+
 class DFlash2Layer(DraftLayer):
     """A first-format draft layer with a `DynamicConv` around its attention and one around its MLP:
         x, d = attention_conv.prepare(input_layernorm(h));  h = h + attention_conv.finish(attn(x, c), d)
@@ -191,11 +197,19 @@ class DFlash2Drafter(DFlashDrafter):
         self.candidate_selector = CandidateSelector(c["hidden_size"], int(c["vocab_size"]),
                                                     int(dflash_value(c, "selector_rank")),
                                                     int(dflash_value(c, "selector_top_k")))
-        self.flat = False  # FlatDraft has no convolutions (and `_flat_plan` says so too)
         self.last_hidden: torch.Tensor | None = None  # [bs - 1, H] of the latest `propose`, for `select`
 
     def _flat_plan(self) -> nn.Module | None:
-        return None
+        # FlatDraft has no convolutions, but where every one computes the identity (base kernel 1 on the
+        # current position, 0 before it, no dynamic part: a selector trained onto a first-format drafter,
+        # `train_selector.py`) the layers are the first format's and it computes the same bits.
+        convs = [c for layer in self.layers for c in (layer.attention_conv, layer.mlp_conv)]
+        if any(not isinstance(getattr(c.kernel_projection, "weight", None), torch.Tensor) for c in convs):
+            return None  # a quantized projection: not worth reading back to check
+        version = tuple(p._version for c in convs for p in (c.base_kernel, c.kernel_projection.weight))
+        if getattr(self, "_identity", (None,))[0] != version:
+            self._identity = (version, all(_is_identity(c) for c in convs))
+        return super()._flat_plan() if self._identity[1] else None
 
     @staticmethod
     def map_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
