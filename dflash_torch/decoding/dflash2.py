@@ -206,7 +206,9 @@ class DFlash2Drafter(DFlashDrafter):
         convs = [c for layer in self.layers for c in (layer.attention_conv, layer.mlp_conv)]
         if any(not isinstance(getattr(c.kernel_projection, "weight", None), torch.Tensor) for c in convs):
             return None  # a quantized projection: not worth reading back to check
-        version = tuple(p._version for c in convs for p in (c.base_kernel, c.kernel_projection.weight))
+        # checked again when a weight changes (inference tensors keep no version counter: loaded for inference)
+        version = tuple((p.data_ptr(), 0 if p.is_inference() else p._version)
+                        for c in convs for p in (c.base_kernel, c.kernel_projection.weight))
         if getattr(self, "_identity", (None,))[0] != version:
             self._identity = (version, all(_is_identity(c) for c in convs))
         return super()._flat_plan() if self._identity[1] else None
