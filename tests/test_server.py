@@ -30,7 +30,8 @@ from dflash_torch.decoding.speculative import generate_tokens
 from dflash_torch.generate import Pipeline, generate, load
 from dflash_torch.serve.app import create_app
 from dflash_torch.serve.engine import ServerConfig, TextStream
-from dflash_torch.serve.protocol import parse_messages, responses_to_chat
+from dflash_torch.serve.openai_api import parse_messages
+from dflash_torch.serve.responses_api import responses_to_chat
 from dflash_torch.serve.server import parse_bytes
 
 from .conftest import make_drafter, make_hf_model

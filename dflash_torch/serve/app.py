@@ -1,5 +1,7 @@
-"""The HTTP app of `dflash serve` (FastAPI): routes parse a request (`protocol.py`), submit a job to the
-engine (`engine.py`) and answer, streamed (server-sent events) or whole, in each dialect's shape.
+"""The HTTP app of `dflash serve` (FastAPI): routes take a request of their dialect (a pydantic model:
+`openai_api.py`, `responses_api.py`, `messages_api.py`), submit a job to the engine (`engine.py`) and
+answer, streamed (server-sent events) or whole, in each dialect's shape. `/openapi.json` documents every
+route's request body; `/docs` and `/redoc` are off.
 
 This module does not use `from __future__ import annotations`: FastAPI reads the handlers' annotations
 (`request: Request`, imported inside create_app to keep `dflash --help` light) as real classes.
@@ -8,7 +10,6 @@ This module does not use `from __future__ import annotations`: FastAPI reads the
 import asyncio
 import dataclasses
 import hmac
-import itertools
 import json
 import logging
 import time
@@ -16,55 +17,41 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from ..generate import Pipeline, check_lengths, load
-from . import fim, messages_api
+from . import fim, messages_api, responses_api
 from .engine import Engine, Job, ServerConfig
-from .protocol import (
-    ANTHROPIC_ERRORS,
-    ENDPOINTS,
-    APIError,
-    GenRequest,
-    _field,
-    bad,
-    chat_to_response,
-    compile_grammar,
+from .messages_api import CountTokensRequest, MessagesRequest
+from .openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     completion_logprobs,
     continue_final,
     forced_tool,
-    parse_common,
     parse_logprobs,
     parse_messages,
     parse_prompt,
     parse_tools,
-    responses_to_chat,
+    usage,
 )
+from .protocol import (
+    ANTHROPIC_ERRORS,
+    ENDPOINTS,
+    APIError,
+    ErrorResponse,
+    GenRequest,
+    _field,
+    bad,
+    compile_grammar,
+    parse_common,
+    read_json,
+    rename_param,
+    validation_error,
+)
+from .responses_api import ResponsesRequest, chat_to_response, responses_to_chat
 from .tool_calls import forced_call_grammar
 
 log = logging.getLogger("dflash.server")
-
-
-async def read_json(request, limit: int) -> dict:
-    """The request body as a JSON object: 413 past `limit` bytes, 400 when it is not a JSON object."""
-    from starlette.requests import ClientDisconnect
-
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body larger than {limit} bytes", code="body_too_large")
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"request body larger than {limit} bytes", code="body_too_large")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise bad("the client disconnected while sending the body") from None
-    try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, RecursionError) as e:
-        raise bad(f"the body is not valid JSON: {e}"[:200]) from None
-    if not isinstance(body, dict):
-        raise bad("the body must be a JSON object")
-    return body
 
 
 def _sse(data: dict | str) -> str:
@@ -77,9 +64,10 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
 
     loader: returns the Pipeline to serve (default: `load` with the config's model, drafter, device, dtype).
     """
-    from fastapi import FastAPI, Request
+    from fastapi import APIRouter, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.routing import APIRoute
     from starlette.exceptions import HTTPException
 
     config = config or ServerConfig()
@@ -99,8 +87,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         if engine.prefix is not None and engine.prefix.disk is not None and not engine.thread.is_alive():
             engine.prefix.disk.close()  # here: a signal that stops the server may end the process before atexit
 
-    # No generated docs: the handlers take raw requests (errors must be OpenAI-shaped), so they would be empty.
-    app = FastAPI(title="dflash-torch", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # The schema, not the pages that show it: /docs and /redoc would load scripts from a CDN.
+    app = FastAPI(title="dflash-torch", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.engine = engine
     if config.allowed_origins:  # browsers ask first (a preflight OPTIONS); the middleware answers it
         from starlette.middleware.cors import CORSMiddleware
@@ -116,19 +104,22 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             endpoint = ENDPOINTS.get(request.url.path, "other")
             engine.metrics.requests.labels(endpoint=endpoint, status=str(e.status)).inc()
         if request.url.path.startswith("/v1/messages"):
-            param, message = messages_api.rename_param(e.param, e.message)
+            param, message = rename_param(e.param, e.message, messages_api.RENAMED)
             kind = ANTHROPIC_ERRORS.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
             return JSONResponse(messages_api.error_body(kind, message) | {"param": param}, status_code=e.status,
                                 headers=e.headers)
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        body = e.body()
+        if request.url.path == "/v1/responses":
+            body["error"]["param"], body["error"]["message"] = rename_param(e.param, e.message, responses_api.RENAMED)
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
         return await api_error(request, APIError(e.status_code, str(e.detail), code=str(e.status_code)))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError):
-        return await api_error(request, bad(f"invalid request: {e.errors()[:1]}"[:300]))
+    async def invalid(request: Request, e: RequestValidationError):  # a request model's field of the wrong type
+        return await api_error(request, validation_error(e.errors()))
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, e: Exception):
@@ -145,11 +136,43 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    async def request_body(request: Request) -> dict:
-        """What every generation endpoint checks first (key, model ready), then its JSON body."""
-        authorize(request)
-        engine.ready()
-        return await read_json(request, config.max_body_bytes)
+    class ParsedRequest(Request):
+        """A request whose body the route has read and parsed (`JSONRoute`), as FastAPI's handler reads it."""
+
+        def __init__(self, request: Request, raw: bytes, body: dict) -> None:
+            # FastAPI takes a body for JSON only when its content-type says so; the server always took it as
+            # JSON whatever the client said (curl -d sends application/x-www-form-urlencoded).
+            headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+            super().__init__(request.scope | {"headers": [*headers, (b"content-type", b"application/json")]},
+                             request.receive)
+            self._raw, self._parsed = raw, body
+
+        async def body(self) -> bytes:
+            return self._raw
+
+        async def json(self) -> dict:
+            return self._parsed
+
+    class JSONRoute(APIRoute):
+        """A route that takes a JSON body (its handler's request model). What every such route checks first,
+        before FastAPI validates the body against the model: the key, the model ready, then the body read
+        within --max-body-bytes (413 past it, while reading) as a JSON object."""
+
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def checked(request: Request):
+                authorize(request)
+                engine.ready()
+                raw, body = await read_json(request, config.max_body_bytes)
+                return await handler(ParsedRequest(request, raw, body))
+
+            return checked
+
+    # The routes with a body; errors of those not in the Messages API are OpenAI's (4XX: no 422 in the schema).
+    bodies = APIRouter(route_class=JSONRoute, responses={"4XX": {"model": ErrorResponse,
+                                                                 "description": "the error; param: the field"}})
+    anthropic_errors = {"4XX": {"model": messages_api.ErrorResponse, "description": "the error; param: the field"}}
 
     @app.get("/health")
     async def health():
@@ -166,11 +189,11 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                 "max_model_len": pipe.max_context if pipe else None}
         return {"object": "list", "data": [card]}
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
+    @bodies.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
         """vLLM's: {"prompt": text} or {"messages": [...]} -> {"tokens", "count", "max_model_len"}: the
         prompt tokens a completion or chat request with that input would run (template and tools included)."""
-        body = await request_body(request)
+        body = body.given()
         pipe = engine.ready()
         if (body.get("messages") is None) == (body.get("prompt") is None):
             raise bad("give one of 'prompt' (text) or 'messages'", "prompt")
@@ -183,10 +206,10 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
             ids = await asyncio.to_thread(engine.encode, prompt=_field(body, "prompt", "str"))
         return {"tokens": ids, "count": len(ids), "max_model_len": pipe.max_context}
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
+    @bodies.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
         """vLLM's: {"tokens": [ids]} -> {"prompt": text} (special tokens kept)."""
-        body = await request_body(request)
+        body = body.given()
         pipe = engine.ready()
         ids = body.get("tokens")
         vocab = pipe.target.config.vocab_size
@@ -210,9 +233,10 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
     async def metrics_json():
         return engine.metrics.as_json()
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await chat_answer(request, await request_body(request))
+    @bodies.post("/v1/chat/completions")
+    async def chat(request: Request, body: ChatCompletionRequest):
+        """OpenAI's chat completions."""
+        return await chat_answer(request, body.given())
 
     async def chat_answer(request: Request, body: dict, streamer=None, fit: bool = False):
         """A chat completions body -> its answer (a stream, or the chat.completion object). `streamer(job,
@@ -241,123 +265,27 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                                       continue_final=continue_final(body, messages))
         return await respond(request, "chat", req, ids, tools, streamer)
 
-    @app.post("/v1/responses")
-    async def responses(request: Request):
-        body = await request_body(request)
+    @bodies.post("/v1/responses")
+    async def responses(request: Request, body: ResponsesRequest):
+        """OpenAI's Responses API through chat completions (`responses_api`)."""
+        body = body.given()
         chat = responses_to_chat(body)
         if chat["stream"]:
-            return await chat_answer(request, chat, streamer=lambda job, req: response_events(job, body))
+            return await chat_answer(request, chat,
+                                     streamer=lambda job, req: responses_api.events(job, body, engine.name))
         return chat_to_response(await chat_answer(request, chat), body)
 
-    async def response_events(job: Job, body: dict) -> AsyncIterator[str]:
-        """The Responses API's server-sent events for one generation: created, the reasoning of a thinking
-        model as a reasoning item, text deltas of one message item, then each function call as an item, then
-        completed (or incomplete) with the whole response."""
-        seq, created = itertools.count(), int(time.time())
-        suffix = job.id.split("-", 1)[-1]
-        mid, rid = f"msg_{suffix}", f"rs_{suffix}"
-
-        def event(kind: str, **fields) -> str:
-            data = {"type": kind, "sequence_number": next(seq)} | fields
-            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-        def message(text: str, status: str) -> dict:
-            content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
-            return {"type": "message", "id": mid, "status": status, "role": "assistant", "content": content}
-
-        def reasoning(text: str, status: str) -> dict:
-            content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
-            return {"type": "reasoning", "id": rid, "summary": [], "status": status, "content": content}
-
-        skeleton = {"id": f"resp_{suffix}", "object": "response", "created_at": created, "model": engine.name,
-                    "status": "in_progress", "output": [], "tools": body.get("tools") or [],
-                    "tool_choice": body.get("tool_choice", "auto"),
-                    "parallel_tool_calls": body.get("parallel_tool_calls", True),
-                    "instructions": body.get("instructions"), "error": None, "incomplete_details": None,
-                    "metadata": body.get("metadata") or {}}
-        part = {"type": "output_text", "text": "", "annotations": []}
-        texts: list[str] = []
-        thoughts: list[str] = []  # a think block comes first, so the reasoning item is output 0 when there is one
-
-        def reasoning_done() -> list[str]:
-            thought = "".join(thoughts)
-            return [event("response.reasoning_text.done", item_id=rid, output_index=0, content_index=0, text=thought),
-                    event("response.output_item.done", output_index=0, item=reasoning(thought, "completed"))]
-
+    def messages_chat(body: MessagesRequest | CountTokensRequest) -> dict:
+        """The chat completions body a Messages API request stands for."""
         try:
-            yield event("response.created", response=skeleton)
-            yield event("response.in_progress", response=skeleton)
-            while True:
-                kind, payload = await job.events.get()
-                if kind == "logprobs":  # not part of this endpoint's events
-                    continue
-                if kind == "reasoning" and not texts:
-                    if not thoughts:
-                        yield event("response.output_item.added", output_index=0, item=reasoning("", "in_progress"))
-                    thoughts.append(payload)
-                    yield event("response.reasoning_text.delta", item_id=rid, output_index=0, content_index=0,
-                                delta=payload)
-                    continue
-                if kind == "delta":
-                    at = 1 if thoughts else 0
-                    if not texts:
-                        for e in reasoning_done() if thoughts else []:
-                            yield e
-                        yield event("response.output_item.added", output_index=at, item=message("", "in_progress"))
-                        yield event("response.content_part.added", item_id=mid, output_index=at, content_index=0,
-                                    part=part)
-                    texts.append(payload)
-                    yield event("response.output_text.delta", item_id=mid, output_index=at, content_index=0,
-                                delta=payload, logprobs=[])
-                    continue
-                if kind == "error":
-                    yield event("error", code=payload.code or payload.type, message=payload.message, param=None)
-                    return
-                if kind == "cancelled":
-                    return
-                if kind == "done":
-                    break
-            text, at = "".join(texts), 1 if thoughts else 0
-            if thoughts and not texts:
-                for e in reasoning_done():
-                    yield e
-            if texts:
-                yield event("response.output_text.done", item_id=mid, output_index=at, content_index=0, text=text,
-                            logprobs=[])
-                yield event("response.content_part.done", item_id=mid, output_index=at, content_index=0,
-                            part=part | {"text": text})
-                yield event("response.output_item.done", output_index=at, item=message(text, "completed"))
-            out = {"id": job.id, "created": created, "model": engine.name, "usage": usage(payload),
-                   "choices": [{"finish_reason": payload["finish_reason"],
-                                "message": {"content": text or None, "tool_calls": payload.get("tool_calls"),
-                                            "reasoning_content": "".join(thoughts) or None}}]}
-            response = chat_to_response(out, body)
-            first = int(bool(thoughts)) + int(bool(texts))  # the function calls come after those items
-            for k, item in enumerate(response["output"][first:], start=first):
-                yield event("response.output_item.added", output_index=k,
-                            item=item | {"status": "in_progress", "arguments": ""})
-                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
-                            delta=item["arguments"])
-                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
-                            arguments=item["arguments"])
-                yield event("response.output_item.done", output_index=k, item=item)
-            done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-            yield event(done, response=response)
-        finally:
-            job.cancel.set()
-
-    async def messages_request(request: Request) -> tuple[dict, dict]:
-        """A Messages API request's body, and the chat completions body it stands for."""
-        body = await request_body(request)
-        try:
-            return body, messages_api.to_chat(body)
+            return messages_api.to_chat(body.given())
         except messages_api.MessagesError as e:
             raise bad(str(e), e.param) from None
 
-    @app.post("/v1/messages")
-    async def messages(request: Request):
+    @bodies.post("/v1/messages", responses=anthropic_errors)
+    async def messages(request: Request, body: MessagesRequest):
         """Anthropic's Messages API through chat completions (`messages_api`)."""
-        body, chat = await messages_request(request)
+        chat = messages_chat(body)
         # Anthropic's clients send a large max_tokens whatever the model (a required field; Claude Code's is
         # 32,000): one beyond a local model's context is cut to what is left, not refused.
         if chat["stream"]:
@@ -365,19 +293,20 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                                      fit=True)
         return messages_api.to_message(await chat_answer(request, chat, fit=True), engine.name)
 
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request):
+    @bodies.post("/v1/messages/count_tokens", responses=anthropic_errors)
+    async def count_tokens(body: CountTokensRequest):
         """Anthropic's token count: the prompt tokens a /v1/messages request would run."""
-        _, chat = await messages_request(request)
+        chat = messages_chat(body)
         args = config.chat_template_args | chat.get("chat_template_kwargs", {})
         messages = parse_messages(chat["messages"])
         ids = await asyncio.to_thread(engine.encode, messages=messages, template_args=args, tools=parse_tools(chat),
                                       continue_final=continue_final(chat, messages))
         return {"input_tokens": len(ids)}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await request_body(request)
+    @bodies.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        """OpenAI's (legacy) completions: a prompt continued (or filled in the middle, given a suffix)."""
+        body = body.given()
         echo = _field(body, "echo", "bool", False)
         req = parse_common(body, min_tokens=0 if echo else 1)
         req.logprobs = parse_logprobs(body, "completions")
@@ -471,14 +400,6 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         if usage is not None:
             out["usage"] = usage
         return out
-
-    def usage(info: dict, more: list[dict] = ()) -> dict:
-        """Usage of one generation (`info`, the "done" payload), plus the completions of other choices."""
-        p, c = info["prompt_tokens"], info["completion_tokens"] + sum(m["completion_tokens"] for m in more)
-        thought = info.get("reasoning_tokens", 0) + sum(m.get("reasoning_tokens", 0) for m in more)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": info.get("cached_tokens", 0)},
-                "completion_tokens_details": {"reasoning_tokens": thought}}
 
     async def stream(jobs: list[Job], req: GenRequest) -> AsyncIterator[str]:
         """Server-sent chunks of each choice in turn (chunk "index" = its choice), then usage and [DONE]."""
@@ -592,6 +513,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         return {"id": jobs[0].id, "object": obj, "created": int(time.time()), "model": engine.name,
                 "choices": choices, "usage": usage(infos[0], infos[1:])}
 
+    app.include_router(bodies)
     return app
 
 

@@ -4,19 +4,120 @@ A Messages request becomes the equivalent chat completions body (`to_chat`), run
 path (so the tokens are the same: greedy output equals target-only output), and the answer comes back
 as a `message` (`to_message`) or as the Messages API's server-sent events (`events`). Text, system
 prompts, tools (`tool_use` / `tool_result` blocks), `tool_choice`, stop sequences, thinking blocks
-from a model that reasons, and `/v1/messages/count_tokens`. Images and documents are refused.
+from a model that reasons, and `/v1/messages/count_tokens`. Images and documents are refused. The request
+model (`MessagesRequest`) is what `/openapi.json` documents; `to_chat` checks each message and block.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation
+
+from .protocol import Int, Number, RequestModel, Str, doc, required
 
 # Fields the Messages API has that this server does not implement: refused, never silently ignored.
 UNSUPPORTED = ("container", "mcp_servers", "context_management")
 # Chat completions field -> the Messages API's name, for error messages that name what the client sent.
 RENAMED = {"stop": "stop_sequences"}
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+
+
+# --- the request model ---------------------------------------------------------------------------
+
+
+class TextBlock(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ToolResultBlock(RequestModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool | None = None
+
+
+class ToolUseBlock(RequestModel):
+    type: Literal["tool_use"]
+    id: str | None = None
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class ThinkingBlock(RequestModel):
+    """Earlier thinking: dropped, as the chat templates of reasoning models drop it from history."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+class Message(RequestModel):
+    role: Literal["user", "assistant"] = Field(description="a last assistant message is a prefilled reply")
+    content: str | list[TextBlock | ToolResultBlock | ToolUseBlock | ThinkingBlock]
+
+
+class ClientTool(RequestModel):
+    type: Literal["custom"] = "custom"
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=dict, description="a JSON schema of the input")
+
+
+class ToolChoice(RequestModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = Field(None, description="type tool: the tool")
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingConfig(RequestModel):
+    type: Literal["enabled", "disabled"] = Field(description="handed to the chat template as enable_thinking")
+
+
+class MessagesPrompt(RequestModel):
+    """What a Messages request and a token count share: the prompt."""
+
+    model_config = ConfigDict(json_schema_extra=required("messages"))
+
+    messages: SkipValidation[Annotated[list[Message], Field(min_length=1)] | None] = doc("the conversation")
+    system: SkipValidation[str | list[TextBlock] | None] = doc("the system prompt")
+    thinking: SkipValidation[ThinkingConfig | None] = doc("thinking on or off, for templates that read enable_thinking")
+    tools: SkipValidation[list[ClientTool] | None] = doc("client tools (server tools are refused)")
+    tool_choice: SkipValidation[ToolChoice | None] = doc("any: a call is forced; tool: that tool's")
+
+
+class MessagesRequest(MessagesPrompt):
+    """A Messages API body."""
+
+    model: Str = doc("any name: the server answers with the one model it serves")
+    max_tokens: Int = doc("tokens to generate at most; one beyond the context left is cut to it", minimum=1)
+    stream: SkipValidation[bool] = Field(False, description="answer as the Messages API's server-sent events")
+    temperature: Number = doc("0: greedy (the default)", minimum=0, maximum=2)
+    top_p: Number = doc("nucleus sampling (1: off)", exclusiveMinimum=0, maximum=1)
+    top_k: Int = doc("the k most likely tokens only (0 or -1: off)", minimum=-1)
+    stop_sequences: SkipValidation[list[Annotated[str, Field(min_length=1)]] | None] = doc(
+        "text that ends the generation")
+    metadata: SkipValidation[dict[str, Any] | None] = doc("ignored")
+
+
+class CountTokensRequest(MessagesPrompt):
+    """A token count's body: the prompt of a Messages request (the rest of one is ignored, unchecked)."""
+
+    model: SkipValidation[str | None] = doc("ignored")
+
+
+class ErrorDetail(BaseModel):
+    type: str = Field(description="invalid_request_error, authentication_error, overloaded_error, ...")
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    """Anthropic's error shape, with the field at fault (if any) as `param`."""
+
+    type: Literal["error"]
+    error: ErrorDetail
+    param: str | None = None
 
 
 class MessagesError(ValueError):
@@ -141,13 +242,6 @@ def to_chat(body: dict) -> dict:
         if choice.get("disable_parallel_tool_use") is True:
             chat["parallel_tool_calls"] = False
     return chat
-
-
-def rename_param(param: str | None, message: str) -> tuple[str | None, str]:
-    """A chat completions error's field -> the Messages API's name for it (and the message with it)."""
-    if param in RENAMED:
-        return RENAMED[param], message.replace(f"'{param}'", f"'{RENAMED[param]}'")
-    return param, message
 
 
 def stop_reason(finish: str, stop: str | None) -> str:

@@ -1,12 +1,25 @@
-"""The OpenAI-style request side of `dflash serve`: limits, errors in the API's shape, and the parsing
-of request bodies (common generation fields, grammars, log-probabilities, messages, tools, prompts), and
-the Responses API mapped onto chat completions and back."""
+"""What every dialect of `dflash serve` shares on the request side: limits, errors (`APIError`, answered
+in each API's own shape by the app), the body read within its limit, the pydantic types the dialects'
+request models are made of (and their validation errors as `APIError`s naming the field), and the one
+internal generation request (`GenRequest`) with the parsing of the generation fields every dialect ends
+in (sampling, length, stops, streaming, grammars).
+
+The dialects: `openai_api.py` (chat completions, completions), `responses_api.py` and `messages_api.py`
+(each turned into a chat completions body). Their request models type each field for the schema
+(`/openapi.json`) and check the JSON type of the scalar ones; what a type cannot say (ranges, the shape of
+each message or tool, fields that exclude each other) their parsers check, with messages that name the
+exact item, as before the models existed."""
 
 import asyncio
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, SkipValidation
+from pydantic_core import PydanticCustomError
 
 from ..decoding import structured
 from ..decoding.sampling import Sampler
@@ -16,7 +29,6 @@ log = logging.getLogger("dflash.server")
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # the hold-back check costs up to len(stop)^2 per token
-ROLES = ("system", "user", "assistant", "tool")
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
              "/v1/messages": "messages", "/v1/messages/count_tokens": "messages",
              "/v1/models": "models", "/tokenize": "tokenize", "/detokenize": "detokenize",
@@ -28,8 +40,6 @@ MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16  # n: choices per request, generated one after the other
 ANTHROPIC_ERRORS = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
                     429: "rate_limit_error", 503: "overloaded_error"}
-
-
 
 
 class APIError(Exception):
@@ -50,16 +60,134 @@ def bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
-# --- request parsing ----------------------------------------------------------------------------
+def rename_param(param: str | None, message: str, renamed: dict[str, str]) -> tuple[str | None, str]:
+    """A chat completions error's field -> the dialect's name for it (and the message with it), for a
+    dialect turned into chat completions: the error names the field the client sent."""
+    if param in renamed:
+        return renamed[param], message.replace(f"'{param}'", f"'{renamed[param]}'")
+    return param, message
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, server_error, rate_limit_error, ...")
+    param: str | None = Field(description="the field at fault, if any (messages[0].role)")
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape (every route but the Messages API's)."""
+
+    error: ErrorDetail
+
+
+async def read_json(request, limit: int) -> tuple[bytes, dict]:
+    """The request body, as read and as a JSON object: 413 past `limit` bytes, 400 when it is not a JSON
+    object. Read here rather than by FastAPI: the limit holds while reading, and the key and readiness
+    checks come first (see app.py's `JSONRoute`)."""
+    from starlette.requests import ClientDisconnect
+
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body larger than {limit} bytes", code="body_too_large")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body larger than {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise bad("the client disconnected while sending the body") from None
+    raw = b"".join(chunks)
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"the body is not valid JSON: {e}"[:200]) from None
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object")
+    return raw, body
+
+
+# --- request models: the pieces ------------------------------------------------------------------
+# A field whose shape the dialect's parser checks item by item (a message, a tool, a stop list) is typed
+# SkipValidation[...]: the schema has its type, and the parser's message names the item (messages[2].role).
 
 _KINDS = {
     "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-    "number": (lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v), "a number"),
+    # an int of any size is finite (math.isfinite would overflow converting a huge one to a float)
+    "number": (lambda v: isinstance(v, float) and math.isfinite(v) or isinstance(v, int) and not isinstance(v, bool),
+               "a number"),
     "bool": (lambda v: isinstance(v, bool), "a boolean"),
     "str": (lambda v: isinstance(v, str), "a string"),
     "object": (lambda v: isinstance(v, dict), "an object"),
 }
 
+
+def _kind(kind: str, schema_type: type) -> Any:
+    """A field type checked exactly as `_field(body, name, kind)` checks it (null: absent), the value kept
+    as sent (1 stays 1, where pydantic's float would make it 1.0), typed `schema_type` in the schema."""
+    ok, what = _KINDS[kind]
+
+    def check(value):
+        if value is not None and not ok(value):
+            raise PydanticCustomError("wrong_type", "must be {what}", {"what": what})
+        return value
+
+    return Annotated[schema_type | None, PlainValidator(check, json_schema_input_type=schema_type | None)]
+
+
+# The JSON types of top-level fields: checked by pydantic, the error naming the field (`validation_error`).
+Int = _kind("int", int)
+Number = _kind("number", float)
+Bool = _kind("bool", bool)
+Str = _kind("str", str)
+Object = _kind("object", dict[str, Any])
+
+
+def doc(description: str, **schema) -> Any:
+    """A field's default (None: absent) with its description and JSON schema keywords (`minimum`, ...)
+    that the dialect's parser enforces: documented in the schema, checked with the parser's message."""
+    return Field(None, description=description, json_schema_extra=schema or None)
+
+
+def required(*names: str) -> Callable[[dict, type], None]:
+    """A model's json_schema_extra: `names` are required in the schema; the model gives them a default so
+    that their absence gets the parser's message ("'messages' must be a non-empty array"), as before."""
+    def extra(schema: dict, cls: type) -> None:
+        schema["required"] = [*schema.get("required", []), *names]
+        for name in names:
+            schema["properties"][name].pop("default", None)
+    return extra
+
+
+class RequestModel(BaseModel):
+    """A request body (or a part of one). Fields the model does not name are kept and passed on, as the
+    parsers always ignored what they do not read (and refuse by name what they do not implement)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def given(self) -> dict:
+        """The fields the client sent (extra ones too), as sent: what the dialect's parser reads."""
+        return {k: v for k, v in self.__dict__.items() if k in self.model_fields_set} | (self.model_extra or {})
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """Pydantic's (FastAPI's) validation errors -> the 400 of the first, naming its field: the message of
+    a wrong type is `_field`'s ("'max_tokens' must be an integer, got \"10\"")."""
+    e = errors[0]
+    loc = list(e.get("loc", ()))
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+    if e.get("type") == "wrong_type" and param:
+        shown = json.dumps(e.get("input"), default=str)[:40]
+        return bad(f"'{param}' must be {e['ctx']['what']}, got {shown}", param)
+    where = f"'{param}': " if param else ""
+    return bad(f"{where}{e.get('msg', 'invalid request')}"[:300], param)
+
+
+# --- the one generation request ----------------------------------------------------------------
 
 def _field(body: dict, name: str, kind: str, default=None):
     """body[name] checked against `kind`; null or absent gives `default`."""
@@ -87,6 +215,53 @@ class GenRequest:
     n: int = 1  # choices
     fit: bool = False  # a max_tokens beyond the context left is cut to it (else: a 400)
     one_call: bool = False  # parallel_tool_calls false: at most one tool call per reply
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool | None = None
+
+
+class JSONSchemaSpec(RequestModel):
+    name: str | None = None
+    schema_: dict[str, Any] | str = Field(alias="schema", description="the JSON schema (or its JSON text)")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+
+class GenerationFields(RequestModel):
+    """The generation fields every dialect ends in (`parse_common`, `parse_grammar`): sampling, length,
+    stops, streaming, output constraints. The OpenAI dialects take them as they are; the others map theirs
+    onto these names."""
+
+    model: Str = doc("any name: the server answers with the one model it serves")
+    n: Int = doc("choices, generated one after the other (default 1)", minimum=1, maximum=MAX_CHOICES)
+    max_tokens: Int = doc("tokens to generate at most (default: the server's --max-tokens, within the context)",
+                          minimum=1)
+    max_completion_tokens: Int = doc("the newer name of max_tokens (wins when both are given)", minimum=1)
+    stop: SkipValidation[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)] | Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOPS)] | None] \
+        = doc("text that ends the generation (not part of the answer)")
+    stream: Bool = doc("answer as server-sent events")
+    stream_options: SkipValidation[StreamOptions | None] = doc("include_usage: a last chunk with the usage")
+    temperature: Number = doc("0: greedy (the default)", minimum=0, maximum=2)
+    top_p: Number = doc("nucleus sampling (1: off)", exclusiveMinimum=0, maximum=1)
+    top_k: Int = doc("the k most likely tokens only (0 or -1: off)", minimum=-1)
+    min_p: Number = doc("tokens at least min_p times as likely as the best (0: off)", minimum=0, exclusiveMaximum=1)
+    seed: Int = doc("the sampler's seed (choice i of n: seed + i)", minimum=-(2**63), maximum=2**64 - 1)
+    presence_penalty: Number = doc("OpenAI's", minimum=-2, maximum=2)
+    frequency_penalty: Number = doc("OpenAI's", minimum=-2, maximum=2)
+    repetition_penalty: Number = doc("vLLM's (1: off)", exclusiveMinimum=0, maximum=10)
+    logit_bias: SkipValidation[dict[str, Annotated[float, Field(ge=-100, le=100)]] | None] = doc(
+        f"token id -> a bias in [-100, 100] added to its logit (at most {MAX_LOGIT_BIAS})")
+    response_format: SkipValidation[ResponseFormat | None] = doc("text, any JSON object, or JSON that follows a schema")
+    guided_json: SkipValidation[dict[str, Any] | str | None] = doc("vLLM's: a JSON schema the output follows")
+    guided_regex: SkipValidation[str | None] = doc("vLLM's: a regular expression the whole output matches")
+    guided_choice: SkipValidation[list[str] | None] = doc("vLLM's: the output is one of these")
+    guided_grammar: SkipValidation[str | None] = doc("vLLM's: a Lark grammar the output follows")
 
 
 def parse_common(body: dict, min_tokens: int = 1) -> GenRequest:
@@ -130,18 +305,20 @@ def parse_common(body: dict, min_tokens: int = 1) -> GenRequest:
     if seed is not None and not -(2**63) <= seed < 2**64:
         raise bad("'seed' must fit in 64 bits", "seed")
     penalties = {}
-    for name in ("presence_penalty", "frequency_penalty"):
-        penalties[name] = float(_field(body, name, "number", 0.0))
-        if not -2 <= penalties[name] <= 2:
+    for name in ("presence_penalty", "frequency_penalty"):  # in range before float(): a huge int overflows it
+        value = _field(body, name, "number", 0.0)
+        if not -2 <= value <= 2:
             raise bad(f"'{name}' must be in [-2, 2]", name)
-    penalties["repetition_penalty"] = float(_field(body, "repetition_penalty", "number", 1.0))  # vLLM's field
-    if not 0 < penalties["repetition_penalty"] <= 10:
+        penalties[name] = float(value)
+    value = _field(body, "repetition_penalty", "number", 1.0)  # vLLM's field
+    if not 0 < value <= 10:
         raise bad("'repetition_penalty' must be in (0, 10] (1: off)", "repetition_penalty")
+    penalties["repetition_penalty"] = float(value)
     raw, bias = _field(body, "logit_bias", "object", {}), None
     if raw:
         try:
             bias = {int(k): float(v) for k, v in raw.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: float() of a huge int
             bias = {}
         if not len(bias) == len(raw) <= MAX_LOGIT_BIAS or not all(t >= 0 and -100 <= v <= 100
                                                                    for t, v in bias.items()):
@@ -161,8 +338,11 @@ def parse_grammar(body: dict) -> tuple[str, str, object] | None:
     (json_object, json_schema), or vLLM's guided_json / guided_regex / guided_choice / guided_grammar
     (Lark); None for free text."""
     given = [name for name in GUIDED if body.get(name) is not None]
+    value = body.get("response_format")
+    if isinstance(value, dict) and not isinstance(value.get("json_schema") or {}, dict):  # (it would raise a 500)
+        raise bad("'response_format.json_schema' must be an object {'name', 'schema'}", "response_format")
     try:
-        fmt = structured.parse_response_format(body.get("response_format"))
+        fmt = structured.parse_response_format(value)
     except ValueError as e:
         raise bad(str(e), "response_format") from None
     if fmt is not None:
@@ -193,292 +373,11 @@ async def compile_grammar(given: tuple[str, str, object] | None) -> str | None:
         raise bad(str(e), name) from None
 
 
-def parse_logprobs(body: dict, endpoint: str) -> int | None:
-    """None when the request does not ask for log-probabilities, else how many alternatives per token.
-    Chat: 'logprobs': true and 'top_logprobs': 0-20; completions: 'logprobs': 0-20 (the alternatives)."""
-    if endpoint == "chat":
-        top = _field(body, "top_logprobs", "int")
-        if not _field(body, "logprobs", "bool", False):
-            if top is not None:
-                raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-            return None
-        top = 0 if top is None else top
-        param = "top_logprobs"
-    else:
-        top = _field(body, "logprobs", "int")
-        if top is None:
-            return None
-        param = "logprobs"
-    if not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise bad(f"'{param}' must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param)
-    return top
-
-
 def logprob_entry(pipe: Pipeline, token: int, logprob: float, top_ids: list[int], top_lps: list[float]) -> dict:
     """One token of a chat completion's 'logprobs.content': its text, bytes and best alternatives."""
     def one(t: int, lp: float) -> dict:
         b = pipe.token_bytes(t)
         return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
     return one(token, logprob) | {"top_logprobs": [one(t, lp) for t, lp in zip(top_ids, top_lps)]}
-
-
-def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
-    """Chat-style entries -> the legacy completions 'logprobs' object (offsets count characters of the
-    completion text from `offset`)."""
-    offsets = []
-    for e in entries:
-        offsets.append(offset)
-        offset += len(e["token"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} if e["logprob"] is not None
-                             else None for e in entries],
-            "text_offset": offsets}
-
-
-def parse_messages(value) -> list[dict]:
-    """OpenAI chat messages -> [{"role", "content": str}] (text parts joined; developer = system)."""
-    if not isinstance(value, list) or not value:
-        raise bad("'messages' must be a non-empty array", "messages")
-    out = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(f"{where} must be an object", where)
-        role = "system" if m.get("role") == "developer" else m.get("role")
-        if role not in ROLES:
-            raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {json.dumps(m.get('role'))[:40]}",
-                      f"{where}.role")
-        content = m.get("content")
-        calls = m.get("tool_calls") if role == "assistant" else None
-        if calls is not None and content is None:  # an assistant turn that only called tools
-            content = ""
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise bad(f"{where}.content[{j}] must be a text part {{'type': 'text', 'text': ...}}",
-                              f"{where}.content")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        if not isinstance(content, str):
-            raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content")
-        msg = {"role": role, "content": content}
-        if calls is not None:
-            msg["tool_calls"] = parse_history_calls(calls, f"{where}.tool_calls")
-        if role == "tool":
-            for key in ("tool_call_id", "name"):
-                if m.get(key) is not None:
-                    if not isinstance(m[key], str):
-                        raise bad(f"{where}.{key} must be a string", f"{where}.{key}")
-                    msg[key] = m[key]
-        out.append(msg)
-    return out
-
-
-def parse_history_calls(calls, where: str) -> list[dict]:
-    """An assistant message's earlier tool calls, for the chat template: arguments as an object (the
-    templates render them with tojson), as vLLM hands them over."""
-    if not isinstance(calls, list):
-        raise bad(f"{where} must be an array", where)
-    out = []
-    for i, c in enumerate(calls):
-        f = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-            raise bad(f"{where}[{i}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", where)
-        args = f.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                raise bad(f"{where}[{i}].function.arguments is not JSON", where) from None
-        if not isinstance(args, dict):
-            raise bad(f"{where}[{i}].function.arguments must be a JSON object", where)
-        out.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
-    return out
-
-
-def parse_tools(body: dict) -> list[dict] | None:
-    """`tools` (functions only) and `tool_choice`: the tools to show the model, or None ("none")."""
-    tools = body.get("tools")
-    choice = body.get("tool_choice")
-    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
-        (choice.get("function") or {}).get("name"), str)
-    if choice not in (None, "auto", "none", "required") and not named:
-        raise bad("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'function': "
-                  "{'name': ...}}", "tool_choice")
-    if (choice == "required" or named) and tools is None:
-        raise bad("'tool_choice' forces a call: give 'tools'", "tool_choice")
-    if tools is None or choice == "none":
-        return None
-    if not isinstance(tools, list) or not tools:
-        raise bad("'tools' must be a non-empty array", "tools")
-    for i, t in enumerate(tools):
-        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
-            raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name', 'description', "
-                      "'parameters'}}}}", f"tools[{i}]")
-        if not isinstance(f.get("parameters", {}), dict):
-            raise bad(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}]")
-    if named and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
-        raise bad(f"'tool_choice' names {choice['function']['name']!r}, which is not in 'tools'", "tool_choice")
-    return tools
-
-
-def continue_final(body: dict, messages: list[dict]) -> bool:
-    """vLLM's `continue_final_message`: the reply continues the last message (an assistant's), as the start
-    of the answer the client wrote (what Anthropic's API does whenever the last message is the assistant's)."""
-    if not _field(body, "continue_final_message", "bool", False):
-        return False
-    if messages[-1]["role"] != "assistant":
-        raise bad("'continue_final_message' needs the last message to be the assistant's", "continue_final_message")
-    return True
-
-
-def forced_tool(body: dict) -> tuple[bool, str | None]:
-    """(a call is forced, the tool it must be: None for any) from `tool_choice` (checked by parse_tools)."""
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict):
-        return True, choice["function"]["name"]
-    return choice == "required", None
-
-
-def parse_prompt(value) -> str | list[int]:
-    """A completions prompt: a string, a list of token ids, or a list holding one of these (a batch of
-    one, as evaluation harnesses send)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
-    if isinstance(value, str):
-        if not value:
-            raise bad("'prompt' is empty", "prompt")
-        return value
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return value
-    raise bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
-
-
-# --- the Responses API, on top of chat completions ----------------------------------------------
-
-# Responses fields this adapter does not implement: refused, never silently ignored.
-RESPONSES_UNSUPPORTED = ("previous_response_id", "conversation", "background", "include", "prompt",
-                         "max_tool_calls", "top_logprobs")
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
-
-
-def responses_to_chat(body: dict) -> dict:
-    """A `/v1/responses` request -> the equivalent chat completions request body (text input, function
-    tools, function calls and their outputs in `input`)."""
-    for name in RESPONSES_UNSUPPORTED:
-        if body.get(name) is not None:
-            raise bad(f"'{name}' is not supported by this server's /v1/responses", name)
-    fmt = _field(body, "text", "object", {}).get("format") or {"type": "text"}
-    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-        raise bad("'text.format.type' must be 'text', 'json_object' or 'json_schema'", "text")
-    messages: list[dict] = []
-    if body.get("instructions") is not None:
-        messages.append({"role": "system", "content": _field(body, "instructions", "str")})
-    items = body.get("input")
-    if isinstance(items, str):
-        items = [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise bad("'input' must be a non-empty string or array of items", "input")
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "message":
-            content = item.get("content")
-            if item.get("role") not in ("user", "assistant", "system", "developer"):
-                raise bad(f"{where}.role must be user, assistant, system or developer", f"{where}.role")
-            if not isinstance(content, (str, list)):
-                raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content")
-            if isinstance(content, list):
-                parts = []
-                for j, part in enumerate(content):
-                    ok = isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text")
-                    if not ok or not isinstance(part.get("text"), str):
-                        raise bad(f"{where}.content[{j}] must be a text part (input_text or output_text)",
-                                  f"{where}.content")
-                    parts.append({"type": "text", "text": part["text"]})
-                content = parts
-            messages.append({"role": item.get("role"), "content": content})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
-            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
-                messages[-1]["tool_calls"].append(call)  # several calls of one turn: one assistant message
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            if not isinstance(output, str):
-                raise bad(f"{where}.output must be a string", f"{where}.output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
-        else:
-            raise bad(f"{where}: items of type message, function_call or function_call_output only",
-                      f"{where}.type")
-    chat = {"messages": messages, "stream": bool(_field(body, "stream", "bool", False))}
-    for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                     ("tool_choice", "tool_choice"), ("parallel_tool_calls", "parallel_tool_calls"),
-                     ("model", "model"), ("chat_template_kwargs", "chat_template_kwargs")):
-        if body.get(src) is not None:
-            chat[dst] = body[src]
-    reasoning = _field(body, "reasoning", "object", {})
-    if reasoning.get("summary") not in (None, "auto"):  # auto: the model decides, and these give none
-        raise bad("'reasoning.summary' other than 'auto' is not supported (no summaries are made)", "reasoning")
-    if reasoning.get("effort") is not None:  # to the templates that can switch thinking off (Qwen3's)
-        if reasoning["effort"] not in REASONING_EFFORTS:
-            raise bad(f"'reasoning.effort' must be one of {', '.join(REASONING_EFFORTS)}", "reasoning")
-        think = {"enable_thinking": reasoning["effort"] not in ("none", "minimal")}
-        chat["chat_template_kwargs"] = think | _field(body, "chat_template_kwargs", "object", {})
-    if body.get("tools") is not None:
-        tools = body["tools"]
-        if not isinstance(tools, list):
-            raise bad("'tools' must be an array", "tools")
-        for i, t in enumerate(tools):
-            if not isinstance(t, dict) or t.get("type") != "function":
-                raise bad(f"tools[{i}]: only function tools are supported", f"tools[{i}]")
-        chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
-                                                            if k in t}} for t in tools]
-    if fmt["type"] == "json_object":
-        chat["response_format"] = {"type": "json_object"}
-    elif fmt["type"] == "json_schema":  # the Responses API has the schema at the top of the format
-        if not isinstance(fmt.get("schema"), dict):
-            raise bad("'text.format.schema' must be a JSON schema object", "text")
-        chat["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
-    return chat
-
-
-def chat_to_response(out: dict, body: dict) -> dict:
-    """A chat.completion answer -> a Responses API `response` object (item ids as `response_events` streams
-    them)."""
-    choice, usage = out["choices"][0], out["usage"]
-    msg, suffix = choice["message"], out["id"].split("-", 1)[-1]
-    output = []
-    if msg.get("reasoning_content"):  # a thinking model's think block
-        output.append({"type": "reasoning", "id": f"rs_{suffix}", "summary": [], "status": "completed",
-                       "content": [{"type": "reasoning_text", "text": msg["reasoning_content"]}]})
-    if msg.get("content"):
-        output.append({"type": "message", "id": f"msg_{suffix}", "status": "completed", "role": "assistant",
-                       "content": [{"type": "output_text", "text": msg["content"], "annotations": []}]})
-    for k, c in enumerate(msg.get("tool_calls") or []):
-        output.append({"type": "function_call", "id": f"fc_{suffix}_{k}", "call_id": c["id"],
-                       "name": c["function"]["name"], "arguments": c["function"]["arguments"],
-                       "status": "completed"})
-    cut = choice["finish_reason"] == "length"
-    return {
-        "id": f"resp_{suffix}", "object": "response", "created_at": out["created"], "model": out["model"],
-        "status": "incomplete" if cut else "completed",
-        "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
-        "instructions": body.get("instructions"), "output": output,
-        "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "temperature": body.get("temperature", 0.0), "top_p": body.get("top_p", 1.0),
-        "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
-        "text": {"format": {"type": "text"}}, "store": False,
-        "usage": {"input_tokens": usage["prompt_tokens"],
-                  "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-                  "output_tokens": usage["completion_tokens"], "output_tokens_details": {
-                      "reasoning_tokens": usage["completion_tokens_details"]["reasoning_tokens"]},
-                  "total_tokens": usage["total_tokens"]},
-    }
 
 

@@ -1,7 +1,8 @@
 """`dflash serve`: an OpenAI-compatible HTTP server (chat, completions, responses, models, health, metrics),
 with Anthropic's Messages API beside it. This module is the command (its arguments and start-up); the
-server is `app.py` (routes), `protocol.py` (request parsing and the API's error shape), `engine.py` (the
-worker thread, its queue and jobs, metrics) and `messages_api.py` (the Messages API over chat).
+server is `app.py` (routes), `protocol.py` (what the dialects share: errors, request model types, the
+generation fields), one module per dialect (`openai_api.py`: chat and completions; `responses_api.py`;
+`messages_api.py`: Anthropic's), and `engine.py` (the worker thread, its queue and jobs, metrics).
 
     dflash serve                      # the embedded default model on http://127.0.0.1:8000
     curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
@@ -11,8 +12,6 @@ import argparse
 import logging
 
 from ..decoding.prefix_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
-from .app import create_app
-from .engine import ServerConfig
 
 log = logging.getLogger("dflash.server")
 
@@ -72,6 +71,10 @@ def parse_bytes(text: str) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted; exit 2 when the model cannot be loaded."""
     import uvicorn
+
+    # Here, not at the top: `dflash --help` reads this module, and the app needs the server extra (pydantic).
+    from .app import create_app
+    from .engine import ServerConfig
 
     if args.max_queue < 1 or args.max_tokens < 1 or (args.block_size is not None and args.block_size < 1):
         raise ValueError("--max-queue, --max-tokens and --block-size must be >= 1")
