@@ -144,7 +144,7 @@ def train_selector(a: argparse.Namespace) -> dict:
     if missing:
         raise ValueError(f"the drafter taps layers {missing}, which {a.data} does not cache (cached: {cached})")
     cols = torch.cat([torch.arange(cached.index(t) * h, (cached.index(t) + 1) * h) for t in drafter.target_layer_ids])
-    train_recs, val_recs = split_records(records)
+    train_recs, val_recs = split_records(records, val_every=10)  # its own split: a tenth held out
     K = min(a.loss_positions or 8, drafter.block_size - 1)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -164,10 +164,12 @@ def train_selector(a: argparse.Namespace) -> dict:
     val_rows = torch.arange(len(vx["labels"]))
     base = round(tf_accept(chains(None, vx, val_rows), vx["labels"]), 4)
     best = {"epoch": 0, "tf_accept": base, "state": {k: v.clone() for k, v in sel.state_dict().items()}}
+    with torch.no_grad():
+        val_loss = round(loss_of(sel, vx, val_rows, weights).item(), 4)
     log_line(log_file, {"event": "start", "train_blocks": len(ex["labels"]), "val_blocks": len(vx["labels"]),
-                        "positions": K, "argmax_tf_accept": base})
+                        "positions": K, "argmax_tf_accept": base, "val_loss": val_loss})
     print(f"selector: {len(ex['labels'])} training blocks, {len(vx['labels'])} held out; argmax drafts keep "
-          f"{base} tokens per block (teacher forced)", file=sys.stderr)
+          f"{base} tokens per block (teacher forced), held-out loss {val_loss}", file=sys.stderr)
     gen, t0, batch = torch.Generator().manual_seed(a.seed), time.time(), 256
     for epoch in range(1, a.selector_epochs + 1):
         order = torch.randperm(len(ex["labels"]), generator=gen)
