@@ -332,6 +332,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                       tools: list[dict] | None = None, streamer=None, echo: str | None = None,
                       echo_ids: bool = False, stop_ids: tuple[int, ...] = ()):
         pipe = engine.ready()
+        grammar_param = req.grammar[0] if req.grammar else None  # the field that asked for it
         req.grammar = await compile_grammar(req.grammar)
         prompt_param = "messages" if endpoint == "chat" else "prompt"
         room = pipe.max_context - len(ids)
@@ -360,7 +361,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                 req.sampler, seed=None if req.sampler.seed is None else req.sampler.seed + i)
             job = Job(endpoint, ids, max_tokens, sampler, req.stops, asyncio.get_running_loop(),
                       fastpath=max_tokens <= config.fastpath_max_tokens, tools=tools, logprobs=req.logprobs,
-                      grammar=req.grammar, id=f"{jobs[0].id}-{i}" if jobs else "", stop_ids=stop_ids,
+                      grammar=req.grammar, grammar_param=grammar_param, id=f"{jobs[0].id}-{i}" if jobs else "",
+                      stop_ids=stop_ids,
                       one_call=req.one_call)
             if echo_ids:  # the prompt as given (text), or as its tokens decode
                 job.echo = echo if echo is not None else pipe.decode(ids)

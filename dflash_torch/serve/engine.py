@@ -121,6 +121,7 @@ class Job:
     tools: list[dict] | None = None  # tools shown to the model: its text is parsed for calls
     logprobs: int | None = None  # GenRequest.logprobs
     grammar: str | None = None  # GenRequest.grammar
+    grammar_param: str | None = None  # the field that asked for it (response_format, guided_regex, tool_choice)
     echo: str | None = None  # completions' echo: this text (the prompt) comes before the completion
     tool_calls: list[dict] = field(default_factory=list)
     stop: str | None = None  # the stop string that ended the text
@@ -450,15 +451,23 @@ class Engine:
                 if job.tool_calls:
                     finish = "tool_calls"
         except Exception as e:  # a bug or an out-of-memory must not take the worker down
-            log.exception("dflash serve: %s failed", job.id)
-            if self.prefix is not None and self.prefix.entries and "out of memory" in str(e).lower():
-                # the kept caches may be what crowded this request out: free them for the next one
-                log.warning("dflash serve: out of memory; prefix cache emptied (%d MiB); see "
-                            "--prefix-cache-max-bytes", self.prefix.nbytes >> 20)
-                self.prefix.clear()
-            job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error",
-                                       counted=True))
-            finish, status = "error", 500
+            if constraint is not None and isinstance(e, RuntimeError) and str(e).startswith("structured output:"):
+                # The grammar allowed none of the model's tokens (a vocabulary without a character the format
+                # needs next: a tokenizer without byte fallback): the request's format, not a server fault.
+                log.info("dflash serve: %s: %s", job.id, str(e).splitlines()[0][:300])
+                job.emit("error", APIError(400, "the output format asks for text this model's tokens cannot write "
+                                           f"(after {job.completion_tokens} tokens)", job.grammar_param, counted=True))
+                finish, status = "error", 400
+            else:
+                log.exception("dflash serve: %s failed", job.id)
+                if self.prefix is not None and self.prefix.entries and "out of memory" in str(e).lower():
+                    # the kept caches may be what crowded this request out: free them for the next one
+                    log.warning("dflash serve: out of memory; prefix cache emptied (%d MiB); see "
+                                "--prefix-cache-max-bytes", self.prefix.nbytes >> 20)
+                    self.prefix.clear()
+                job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error",
+                                           counted=True))
+                finish, status = "error", 500
         finally:
             gen.close()
         m.sync_live(job)
@@ -472,7 +481,7 @@ class Engine:
         row = job.summary() | {"status": status, "finish_reason": finish}
         self.recent.append(row)
         self.metrics.record(job, status)
-        if status != 500:  # a failure has sent its error already
+        if finish != "error":  # a failure has sent its error already
             job.emit("done" if status == 200 else "cancelled", {
                 "finish_reason": finish, "prompt_tokens": len(job.prompt_ids),
                 "completion_tokens": job.completion_tokens, "cached_tokens": job.stats.cached_tokens,

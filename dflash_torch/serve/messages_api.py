@@ -80,7 +80,7 @@ class MessagesPrompt(RequestModel):
 
     model_config = ConfigDict(json_schema_extra=required("messages"))
 
-    messages: SkipValidation[Annotated[list[Message], Field(min_length=1)] | None] = doc("the conversation")
+    messages: SkipValidation[Annotated[list[Message], Field(min_length=1)]] = doc("the conversation")
     system: SkipValidation[str | list[TextBlock] | None] = doc("the system prompt")
     thinking: SkipValidation[ThinkingConfig | None] = doc("thinking on or off, for templates that read enable_thinking")
     tools: SkipValidation[list[ClientTool] | None] = doc("client tools (server tools are refused)")

@@ -48,13 +48,33 @@ class ToolCall(RequestModel):
     function: FunctionCall
 
 
-class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description="developer: system")
-    content: str | list[TextPart] | None = Field(None, description="text, or text parts (joined by newlines); "
-                                                                   "null only for an assistant turn with tool_calls")
-    tool_calls: list[ToolCall] | None = Field(None, description="an assistant turn's calls")
-    tool_call_id: str | None = Field(None, description="a tool result's call")
+Content = Annotated[str | list[TextPart], Field(description="text, or text parts (joined by newlines)")]
+
+
+class SystemMessage(RequestModel):
+    role: Literal["system", "developer"] = Field(description="developer: the same as system")
+    content: Content
+
+
+class UserMessage(RequestModel):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantMessage(RequestModel):
+    role: Literal["assistant"]
+    content: Content | None = Field(None, description="null or absent: a turn that only called tools")
+    tool_calls: list[ToolCall] | None = Field(None, description="the calls it made")
+
+
+class ToolMessage(RequestModel):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str | None = Field(None, description="the call this answers")
     name: str | None = None
+
+
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 
 class FunctionSpec(RequestModel):
@@ -83,11 +103,11 @@ ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
 class ChatFields(RequestModel):
     """What a chat request and /tokenize's chat form share: the conversation and its tools."""
 
-    messages: SkipValidation[Annotated[list[ChatMessage], Field(min_length=1)] | None] = doc("the conversation")
     tools: SkipValidation[Annotated[list[Tool], Field(min_length=1)] | None] = doc("functions the model may call")
     tool_choice: SkipValidation[ToolChoice | None] = doc("required or a named function: a call is forced")
 
 
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]
 TEMPLATE_KWARGS = "vLLM's: chat template variables (over the server's --chat-template-args)"
 CONTINUE_FINAL = "vLLM's: continue the last message (an assistant's) instead of answering"
 
@@ -97,6 +117,7 @@ class ChatCompletionRequest(ChatFields, GenerationFields):
 
     model_config = ConfigDict(json_schema_extra=required("messages"))
 
+    messages: SkipValidation[Messages] = doc("the conversation")
     chat_template_kwargs: Object = doc(TEMPLATE_KWARGS)
     continue_final_message: Bool = doc(CONTINUE_FINAL)
     parallel_tool_calls: Bool = doc("false: at most one tool call per reply")
@@ -112,7 +133,7 @@ class CompletionRequest(GenerationFields):
 
     model_config = ConfigDict(json_schema_extra=required("prompt"))
 
-    prompt: SkipValidation[Prompt | None] = doc("text or token ids (or a list holding one of these)")
+    prompt: SkipValidation[Prompt] = doc("text or token ids (or a list holding one of these)")
     echo: Bool = doc("the prompt, scored, before the completion (max_tokens 0: the prompt only)")
     logprobs: Int = doc("each token's log-probability and this many alternatives", minimum=0,
                         maximum=MAX_TOP_LOGPROBS)
@@ -123,6 +144,7 @@ class TokenizeRequest(ChatFields):
     """vLLM's /tokenize: a prompt, or messages (with tools and template variables), as a request would run."""
 
     prompt: Str = doc("text (give this or messages)")
+    messages: SkipValidation[Messages | None] = doc("a conversation (give this or prompt)")
     # read with messages only (and then checked by the parser): a prompt request ignores them, as it did
     chat_template_kwargs: SkipValidation[dict[str, Any] | None] = doc(TEMPLATE_KWARGS)
     continue_final_message: SkipValidation[bool | None] = doc(CONTINUE_FINAL)
@@ -133,7 +155,7 @@ class DetokenizeRequest(RequestModel):
 
     model_config = ConfigDict(json_schema_extra=required("tokens"))
 
-    tokens: SkipValidation[list[Annotated[int, Field(ge=0)]] | None] = doc("token ids in the vocabulary")
+    tokens: SkipValidation[list[Annotated[int, Field(ge=0)]]] = doc("token ids in the vocabulary")
 
 
 # --- parsing -------------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ class ResponsesRequest(RequestModel):
 
     model: Str = doc("any name: the server answers with the one model it serves")
     input: SkipValidation[Annotated[str, Field(min_length=1)] | Annotated[
-        list[MessageItem | FunctionCallItem | FunctionCallOutputItem], Field(min_length=1)] | None] = doc(
+        list[MessageItem | FunctionCallItem | FunctionCallOutputItem], Field(min_length=1)]] = doc(
         "text (one user message) or items")
     instructions: Str = doc("a system message before the input")
     max_output_tokens: Int = doc("tokens to generate at most", minimum=1)
