@@ -59,6 +59,43 @@ def test_openapi_documents_every_request_body(server):
         assert httpx.get(server + page).status_code == 404
 
 
+U = [{"role": "user", "content": "hi"}]
+ONCE_5XX = [  # (path, body, status, param): what the fuzzing found answered with a 500
+    ("/v1/chat/completions", {"messages": U, "temperature": 10**400}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": U, "presence_penalty": 10**400}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": U, "logit_bias": {"5": 10**400}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": U, "tool_choice": {"type": "function", "function": "x"}}, 400,
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": U, "response_format": {"type": "json_schema", "json_schema": "x"}}, 400,
+     "response_format"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "\u00e9"}, 400, "guided_regex"),  # not in its vocabulary
+    ("/v1/chat/completions", {"messages": U, "guided_choice": ["\u00df"], "stream": True}, 200, None),  # an event
+    ("/v1/completions", {"prompt": "hi", "temperature": 1e-300}, 200, None),  # greedy
+    ("/v1/completions", {"prompt": "hi", "temperature": 1.6, "top_p": 5e-324}, 200, None),
+    ("/v1/completions", {"prompt": "hi", "temperature": 1, "repetition_penalty": 1e-300}, 200, None),
+    ("/v1/messages", {"messages": U, "temperature": 1e-300, "max_tokens": 4}, 200, None),
+    # the Responses API's errors name its own fields
+    ("/v1/responses", {"input": "hi", "max_output_tokens": "4"}, 400, "max_output_tokens"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
+]
+
+
+def test_inputs_that_were_5xx_are_answered(server):
+    for path, body, status, param in ONCE_5XX:
+        r = httpx.post(server + path, json=body | {"max_tokens": 4} if path != "/v1/responses" else body)
+        assert r.status_code == status, (path, body, r.text[:300])
+        if status == 400:
+            assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error", r.text
+        elif body.get("stream"):  # the format cannot be followed: an error event naming the field, not a 500
+            assert '"param": "guided_choice"' in r.text and "server_error" not in r.text, r.text[:300]
+    # the body is JSON whatever the content-type says (curl -d sends form-urlencoded), as before the models
+    for headers in ({"content-type": "application/x-www-form-urlencoded"}, {"content-type": "text/plain"}, {}):
+        r = httpx.post(server + "/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "hi"}], '
+                       b'"max_tokens": 2}', headers=headers)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, (headers, r.text[:200])
+    assert 'status="500"' not in httpx.get(server + "/metrics").text
+
+
 def _error_shape(path: str, response) -> str | None:
     """What is wrong with a 4xx answer's body, or None when it is in the route's API's error shape."""
     try:
