@@ -134,6 +134,7 @@ class CompletionRequest(GenerationFields):
     model_config = ConfigDict(json_schema_extra=required("prompt"))
 
     prompt: SkipValidation[Prompt] = doc("text or token ids (or a list holding one of these)")
+    max_tokens: Int = doc("tokens to generate at most (0 with echo: score the prompt only)", minimum=0)
     echo: Bool = doc("the prompt, scored, before the completion (max_tokens 0: the prompt only)")
     logprobs: Int = doc("each token's log-probability and this many alternatives", minimum=0,
                         maximum=MAX_TOP_LOGPROBS)
