@@ -153,11 +153,13 @@ class HFPeer:
         import torch
         import transformers
 
+        from . import loading
+
         # generation-config chatter and the weight-loading bar would break our progress bar
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
         self.torch, self.device = torch, pipe.device
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(str(pipe.model_path), dtype=torch.float32)
+        self.model = loading.hf_model(pipe.model_path, torch.float32)
         self.model = self.model.to(pipe.device).eval()
         self.stops = [] if ignore_eos else list(pipe.stop_token_ids)
         self.ignore_eos = ignore_eos

@@ -282,7 +282,6 @@ def generate_dataset(
     and write them in shards of `shard_size` records with their tap features, taken from the hidden
     states of the generation itself (no second pass). Resumes: prompts whose key is already in a shard
     are skipped; a shard left without features (interrupted) gets them from a prefill of our runtime."""
-    import transformers
 
     from . import loading
 
@@ -332,7 +331,7 @@ def generate_dataset(
     # bfloat16 generates several times faster on CPUs with bf16 dot products; its greedy replies can
     # differ from float32's at near-ties, which matters little for training data.
     dev = loading.pick_device(device)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(dev)
+    hf = loading.hf_model(Path(path), dtype).eval().to(dev)
     gen_kw = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=sorted(stops),
                   return_dict_in_generate=True, output_hidden_states=features)
     if temperature > 0:

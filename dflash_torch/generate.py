@@ -179,7 +179,11 @@ def load(
                   f"{stored}, its LM head {stored_head}; --quantize none for float32)", file=sys.stderr)
     elif quantize == "none":
         quantize = head = None
-    target = loading.load_target(path, dev, dt)
+    from .models.quantize import BLOCK_FORMATS
+
+    # in a block format: the layers a GGUF file stores in it are built from its blocks, never in float
+    blocks = (quantize, head or quantize) if quantize in BLOCK_FORMATS else None
+    target = loading.load_target(path, dev, dt, blocks=blocks)
     quantizer = None
     if quantize is not None:
         from .models.quantize import BLOCK_FORMATS, quantize_blocks, quantize_int4, quantize_int8

@@ -129,6 +129,9 @@ def convert_gguf(path: Path) -> Path:
     out = cache_home() / "models" / f"{path.stem}-{key}"
     if (out / "config.json").is_file():
         config = json.loads((out / "config.json").read_text())
+        if config.get("gguf_path") != str(path.resolve()):
+            config["gguf_path"] = str(path.resolve())
+            (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if "head" not in config.get("gguf_weight_types", {}) or not (out / BLOCKS_FILE).is_file():
             # converted by an earlier version: add what --quantize auto and stored_blocks read
             import gguf
@@ -137,6 +140,7 @@ def convert_gguf(path: Path) -> Path:
             config["gguf_weight_types"] = gguf_weight_types(reader)
             _save_blocks(reader, config, out / BLOCKS_FILE)
             (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _drop_float_copies(out)
         return out
     import gguf
     from tqdm import tqdm
@@ -171,14 +175,17 @@ def convert_gguf(path: Path) -> Path:
         "eos_token_id": field("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
         "converted_from": path.name,
+        "gguf_path": str(path.resolve()),  # transformers' GGUF loader reads it there (`hf_model`)
         "gguf_weight_types": gguf_weight_types(reader),
     }
-    state = {}
-    for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", file=sys.stderr):
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+    from .kernels import pack
+
+    state = {}  # in float32 only what is not stored in the block formats (those stay blocks: BLOCKS_FILE)
+    for t in tqdm(reader.tensors, desc="reading", unit="tensor", file=sys.stderr):
         hf = _hf_name(t.name)
-        if hf is None:
+        if hf is None or t.tensor_type.name.lower() in pack.FORMATS:
             continue
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
         state[hf] = _rows_as_hf(w, hf, heads, kv_heads or heads).contiguous()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -195,6 +202,26 @@ def convert_gguf(path: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def _drop_float_copies(out: Path) -> None:
+    """An earlier version's cache also held the block-stored matrices in float32 (538 MB for the default
+    model's 75 MB file): rewrite its model.safetensors without them, once."""
+    from safetensors import safe_open
+
+    floats, blocks = out / "model.safetensors", out / BLOCKS_FILE
+    if not floats.is_file() or not blocks.is_file():
+        return
+    with safe_open(str(blocks), framework="pt") as f:
+        stored = set(f.keys())
+    with safe_open(str(floats), framework="pt") as f:
+        names = list(f.keys())
+        if not stored & set(names):
+            return
+        keep = {n: f.get_tensor(n) for n in names if n not in stored}
+    tmp = floats.with_suffix(".tmp")
+    save_file(keep, str(tmp), metadata={"format": "pt"})
+    tmp.replace(floats)
 
 
 def _rows_as_hf(w: torch.Tensor, hf: str, heads: int, kv_heads: int) -> torch.Tensor:
@@ -234,15 +261,13 @@ def stored_blocks(model: torch.nn.Module, path: Path) -> dict[torch.nn.Module, t
     the block kernels' formats (q4_0, q4_1, q8_0). `quantize.quantize_blocks` takes these bytes as they
     are: quantizing the dequantized floats again gives the same bytes (tests/test_core.py checks it)
     but took ~3 s per load of the default model. Empty for other models."""
-    if not (path / BLOCKS_FILE).is_file():
-        return {}
-    from safetensors import safe_open
-
     from .kernels import pack
 
-    with safe_open(str(path / BLOCKS_FILE), framework="pt") as f:
-        formats = json.loads((f.metadata() or {}).get("formats", "{}"))
-        found = {name: (formats[name], f.get_tensor(name)) for name in f.keys() if name in formats}
+    if not any(isinstance(m, torch.nn.Linear) for m in model.modules()):  # all in blocks already (load_target)
+        return {}
+    found = read_blocks(path)
+    if not found:
+        return {}
     config = json.loads((path / "config.json").read_text())
     if "lm_head.weight" not in found and config.get("tie_word_embeddings") and "model.embed_tokens.weight" in found:
         found["lm_head.weight"] = found["model.embed_tokens.weight"]
@@ -338,9 +363,9 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def read_state(path: Path) -> dict[str, torch.Tensor]:
-    """All safetensors tensors of a directory (sharded or not)."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
+    """All safetensors tensors of a directory (sharded or not), but a converted GGUF's blocks (`read_blocks`)."""
+    files = sorted(f for f in path.glob("*.safetensors") if f.name != BLOCKS_FILE)
+    if not files and not (path / BLOCKS_FILE).is_file():
         raise ModelError(f"no .safetensors weights in {path}")
     state = {}
     for f in files:
@@ -348,8 +373,45 @@ def read_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_target(path: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """Build the target model of the family named by config.json and load its weights."""
+def read_blocks(path: Path) -> dict[str, tuple[str, torch.Tensor]]:
+    """{HF name: (format, GGUF blocks [N, K/32 * bytes])} of a converted GGUF's matrices stored in the block
+    kernels' formats (`BLOCKS_FILE`); empty for other directories."""
+    return {name: (fmt, raw) for name, fmt, raw in iter_blocks(path)}
+
+
+def iter_blocks(path: Path):
+    """(HF name, format, GGUF blocks) of `BLOCKS_FILE` one matrix at a time, each read with plain file reads
+    into a tensor of its own, not through a memory map: a mapped file's pages stay resident (and counted)
+    while any tensor viewing it lives, which held the whole file in memory beside the repacked copies."""
+    file = path / BLOCKS_FILE
+    if not file.is_file():
+        return
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")  # the safetensors layout: header size, JSON header, data
+        header = json.loads(f.read(n))
+        formats = json.loads((header.pop("__metadata__", None) or {}).get("formats", "{}"))
+        for name, info in header.items():
+            if name not in formats or info["dtype"] != "U8":
+                continue
+            begin, end = info["data_offsets"]
+            raw = torch.empty(info["shape"], dtype=torch.uint8)
+            if end - begin != raw.numel():
+                raise ModelError(f"{file}: {name} has {end - begin} bytes for shape {info['shape']}")
+            f.seek(8 + n + begin)
+            f.readinto(memoryview(raw.numpy()).cast("B"))
+            yield name, formats[name], raw
+
+
+def load_target(path: Path, device: torch.device, dtype: torch.dtype,
+                blocks: tuple[str, str] | None = None) -> torch.nn.Module:
+    """Build the target model of the family named by config.json and load its weights.
+
+    A converted GGUF's block-stored matrices (`read_blocks`) are dequantized to `dtype`, except where
+    `blocks` = (the layers' format, the LM head's) says they will run in the format they are stored in
+    (CPU): those become `BlockLinear`s straight from their bytes, and a block-stored token embedding a
+    `BlockEmbedding`, so the model never exists in float (`generate.load` asks for it)."""
+    from .kernels import pack
+
     config = json.loads((path / "config.json").read_text())
     family = FAMILIES.get(config.get("model_type"))
     if family is None:
@@ -358,15 +420,74 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype) -> torch.n
         )
     with torch.device("meta"):  # no random init of weights that are about to be replaced
         model = family.from_config(config)
-    state = {k: v.to(dtype) for k, v in family.map_state(read_state(path)).items()}
+    state = family.map_state(read_state(path))
+    for name, fmt, raw in iter_blocks(path):  # one at a time: only the kept bytes stay
+        if name in state:  # an older cache's float copy
+            continue
+        head = name == "lm_head.weight" or (name == "model.embed_tokens.weight" and config.get("tie_word_embeddings"))
+        if blocks is not None and device.type == "cpu" and (name == "model.embed_tokens.weight"
+                                                            or fmt == blocks[1 if head else 0]):
+            _keep_block(model, name, fmt, raw, state, dtype, blocks[1])
+        else:
+            state[name] = pack.dequantize(raw, fmt).to(dtype)
+    state = {k: v.to(dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)
+               and not k.endswith((".packed", ".blocks"))]  # (kept in their blocks: in place already)
     if missing:
         raise ModelError(f"{path}: checkpoint is missing weights, e.g. {missing[:5]}")
     if unexpected:
         print(f"dflash: ignoring {len(unexpected)} unused weights, e.g. {unexpected[:3]}", file=sys.stderr)
     model.post_load()
     return model.to(device=device).eval()
+
+
+def _keep_block(model: torch.nn.Module, name: str, fmt: str, raw: torch.Tensor, state: dict, dtype: torch.dtype,
+                head_fmt: str) -> None:
+    """Put the layer `name` in place as a block module of its stored bytes `raw`. A tied LM head takes the
+    embedding's blocks where they are in the head's format (the embedding then reads its rows out of the
+    head's), else the embedding's floats, for the caller to quantize."""
+    from .kernels import pack
+    from .models.quantize import BlockEmbedding, BlockLinear
+
+    parent, _, attr = name.removesuffix(".weight").rpartition(".")
+    owner = model.get_submodule(parent)
+    if not isinstance(getattr(owner, attr), torch.nn.Embedding):
+        setattr(owner, attr, BlockLinear(None, fmt, raw, state.pop(f"{name.removesuffix('.weight')}.bias", None)))
+        return
+    if not getattr(model.config, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
+        setattr(owner, attr, BlockEmbedding(raw, fmt, dtype))
+    elif fmt == head_fmt:
+        model.lm_head = BlockLinear(None, fmt, raw)
+        setattr(owner, attr, BlockEmbedding(None, fmt, dtype, head=model.lm_head))
+    else:  # the head in another format: its floats, quantized by the caller
+        setattr(owner, attr, BlockEmbedding(raw, fmt, dtype))
+        state["lm_head.weight"] = pack.dequantize(raw, fmt).to(dtype)
+        model.config.tie_word_embeddings = False
+
+
+def hf_model(path: Path, dtype: torch.dtype):
+    """transformers' own model of a target directory (an oracle, a peer, the data pipeline's generator);
+    for a converted GGUF, whose cache keeps its block-stored matrices as blocks only, with those dequantized
+    (the floats the file stands for, as `--quantize none` loads them)."""
+    import transformers
+
+    from .kernels import pack
+
+    path = Path(path)
+    if not (path / BLOCKS_FILE).is_file():
+        return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    state = read_state(path)
+    state.update({name: pack.dequantize(raw, fmt) for name, fmt, raw in iter_blocks(path) if name not in state})
+    missing, _ = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing:
+        raise ModelError(f"{path}: no weights for {missing[:5]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(dtype).eval()
 
 
 def load_tokenizer(path: Path):

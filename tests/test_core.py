@@ -371,8 +371,38 @@ def test_default_model_generates_text(tmp_path, monkeypatch, capsys):
     assert torch.equal(auto.target.lm_head.raw(), torch.from_numpy(stored["token_embd.weight"].copy()))
     for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj, auto.target.lm_head):
         assert torch.equal(pack.quantize(m.weight, m.fmt), m.raw()), m.fmt
+    # no float copy: the cache holds the block-stored matrices as blocks only, and the model built from them
+    # never exists in float (its embedding reads its rows out of the tied head's blocks), with the same logits
+    # as the float weights quantized into the same blocks
+    from safetensors import safe_open
+
+    from dflash_torch import loading
+    from dflash_torch.models.quantize import BlockEmbedding, quantize_blocks
+
+    model_dir = next(tmp_path.glob("models/*/config.json")).parent
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        floats = set(f.keys())
+    assert floats and not floats & set(loading.read_blocks(model_dir))
+    embed = auto.target.model.embed_tokens
+    assert isinstance(embed, BlockEmbedding) and not any(
+        isinstance(m, torch.nn.Linear) or (p.is_floating_point() and p.numel() > 10**6)
+        for m in auto.target.modules() for p in m.parameters(recurse=False))
+    ids = torch.tensor([[0, 1, 5, 17, 4242, 49151]])
+    table = pack.dequantize(torch.from_numpy(stored["token_embd.weight"].copy()), "q8_0")
+    assert torch.equal(embed(ids)[0], table[ids[0]])
+    old = loading.load_target(model_dir, torch.device("cpu"), torch.float32)  # float32, as before
+    quantize_blocks(old, "q4_1", head="q8_0", stored=loading.stored_blocks(old, model_dir))
+    with torch.inference_mode():
+        a, b = (m(ids, m.new_cache(8), logits="all").logits for m in (auto.target, old))
+    assert torch.equal(a, b)
     assert isinstance(load(None, None, "cpu", quiet=True, quantize="int4").target.lm_head, Int4Linear)
-    assert load(None, None, "cpu", quiet=True, quantize="none").quantize is None
+    none = load(None, None, "cpu", quiet=True, quantize="none")
+    assert none.quantize is None and torch.equal(none.target.model.embed_tokens.weight, table)
+    # transformers reads the GGUF file itself for what needs its model (the data pipeline, the hf peer)
+    hf = loading.hf_model(model_dir, torch.float32)
+    with torch.inference_mode():
+        ours = none.target(ids, none.target.new_cache(8), logits="all").logits
+        torch.testing.assert_close(hf(ids).logits, ours, rtol=1e-4, atol=1e-3)
     # a cache converted before the field existed gets it on its next use
     path = next(tmp_path.glob("models/*/config.json"))
     config.pop("gguf_weight_types")

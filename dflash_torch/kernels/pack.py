@@ -77,6 +77,20 @@ def unpack(packed: torch.Tensor, fmt: str, n: int, k: int) -> torch.Tensor:
     return blk.reshape(groups * GROUP, nb * block_bytes(fmt))[:n].contiguous()
 
 
+def unpack_rows(packed: torch.Tensor, fmt: str, n: int, k: int, rows: torch.Tensor) -> torch.Tensor:
+    """The GGUF blocks [R, nb * bs] of output rows `rows` [R] only: exactly `unpack(packed, fmt, n, k)[rows]`,
+    without unpacking the others (a token embedding that shares a tied LM head's blocks)."""
+    nb, q, r = k // QK, QUANTS[fmt], rows.numel()
+    rec = packed.reshape(-(-n // GROUP), nb, -1)[rows // GROUP]  # [R, nb, record]: each row's group
+    c, at = rows % GROUP, torch.arange(r)
+    parts = [rec[..., : 2 * GROUP].reshape(r, nb, GROUP, 2)[at, :, c]]  # [R, nb, 2]: its scale
+    if fmt == "q4_1":
+        parts.append(rec[..., 2 * GROUP : 4 * GROUP].reshape(r, nb, GROUP, 2)[at, :, c])
+    chunks = rec[..., -GROUP * q :].reshape(r, nb, q // 4, GROUP, 4)[at, :, :, c]  # [R, nb, q / 4, 4]
+    parts.append(chunks.reshape(r, nb, q))
+    return torch.cat(parts, dim=-1).reshape(r, nb * block_bytes(fmt))
+
+
 def fields(raw: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """GGUF blocks [N, nb * bs] -> (quants [N, nb, 32] int32: Q4 nibbles 0..15 or Q8 values, scales d
     [N, nb] float32, minimums m [N, nb] float32 or None), each exactly as stored."""

@@ -174,7 +174,7 @@ class Model(nn.Module):
     def post_load(self) -> None:
         """Tie the LM head and build the rotary tables (again after loading onto a real device)."""
         c = self.config
-        if c.tie_word_embeddings:
+        if c.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # (a head of blocks is tied already)
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(c.rope, c.head_dim, c.max_position_embeddings).to(self.model.embed_tokens.weight.device)
 

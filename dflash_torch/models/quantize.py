@@ -154,6 +154,39 @@ class BlockLinear(nn.Module):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
+class BlockEmbedding(nn.Module):
+    """A token embedding kept in GGUF blocks (`loading.load_target`): the rows of the looked-up tokens are
+    dequantized as they are looked up, so the table never exists in float (SmolLM2's: 113 MB in float32,
+    30 MB as the file's Q8_0). Each row is exactly the dequantized table's (`pack.dequantize` per row)."""
+
+    def __init__(self, raw: torch.Tensor | None, fmt: str, dtype: torch.dtype = torch.float32,
+                 head: BlockLinear | None = None) -> None:
+        """From GGUF blocks `raw` [V, K/32 * bytes], or (raw None) from a tied LM `head` of blocks, whose
+        bytes it then shares: the rows are read out of the head's packed layout (`pack.unpack_rows`)."""
+        super().__init__()
+        self.fmt = fmt
+        if head is not None:
+            self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+            self._head = [head]  # not a submodule: the model owns it as its LM head
+        else:
+            self.num_embeddings, self.embedding_dim = raw.shape[0], raw.shape[1] // pack.block_bytes(fmt) * pack.QK
+            self._head = None
+            self.register_buffer("blocks", raw.contiguous())  # [V, K/32 * bytes] uint8, as stored
+        # Where callers ask an embedding for its device and dtype (`embed_tokens.weight.device`): an
+        # empty tensor that has them. Anything that would read the table through it fails loudly.
+        self.register_buffer("weight", torch.empty(0, dtype=dtype), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat_ids = ids.reshape(-1).cpu()
+        if self._head is not None:
+            h = self._head[0]
+            raw = pack.unpack_rows(h.packed, self.fmt, h.out_features, h.in_features, flat_ids)
+        else:
+            raw = self.blocks[flat_ids]
+        rows = pack.dequantize(raw, self.fmt)  # [n, H] float32
+        return rows.to(self.weight.dtype).view(*ids.shape, self.embedding_dim)
+
+
 def block_fits(linear: nn.Module) -> bool:
     """Whether the block kernels take this layer: in_features a multiple of the 32-value block."""
     return linear.in_features % pack.QK == 0
@@ -219,6 +252,13 @@ def fuse_projections(model: nn.Module, fits=lambda linear: True, stored: dict | 
             if not hasattr(m, fused) or getattr(m, fused) is not None:
                 continue
             parts = [getattr(m, n, None) for n in names]
+            if all(isinstance(p, BlockLinear) for p in parts) and len({p.fmt for p in parts}) == 1 and fits(parts[0]):
+                # kept in their stored blocks (loading.load_target): their rows, concatenated
+                bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+                setattr(m, fused, BlockLinear(None, parts[0].fmt, torch.cat([p.raw() for p in parts]), bias))
+                for n in names:
+                    delattr(m, n)
+                continue
             if not all(isinstance(p, nn.Linear) and fits(p) for p in parts):
                 continue
             if len({(p.in_features, p.bias is not None) for p in parts}) != 1:
