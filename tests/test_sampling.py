@@ -252,3 +252,14 @@ def test_seeded_generate_cli_is_reproducible(zlab, capsys):
 
     assert run(5) == run(5)
     assert run(5) != run(6)
+
+
+def test_values_float32_cannot_take_pick_what_the_nearest_it_can_picks():
+    """A temperature, top_p or repetition penalty so small that float32 overflows or underflows on it
+    (1e-300) chooses as the smallest value that works: greedy, the top token only, a repeat first."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
+    assert Sampler(temperature=1e-7).greedy and not Sampler(temperature=1e-4).greedy
+    probs = Sampler(temperature=1.0, top_p=1e-300).probs(logits)
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+    adjusted = Sampler(temperature=1.0, repetition_penalty=1e-300).adjust(logits, History([2], 4, torch.device("cpu")))
+    assert torch.isfinite(adjusted).all() and adjusted.argmax() == 2  # the repeated token, above all others

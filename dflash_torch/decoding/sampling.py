@@ -88,6 +88,15 @@ class Sampler:
             raise ValueError("min_p must be in [0, 1)")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
+        # Values so small that float32 breaks them become the nearest that does not, which picks the same
+        # tokens: a temperature under 1e-5 is greedy (as vLLM takes it; logits / 1e-40 overflow to inf), a
+        # top_p under 1e-8 keeps the most likely token only, as any that small does (one under 1.4e-45 rounds
+        # to 0 and drops that token too), and a repetition_penalty under 1e-6 puts a repeated token above all
+        # others, as any that small does (logits / 1e-300 overflow).
+        if self.temperature < 1e-5:
+            self.temperature = 0.0
+        self.top_p = max(self.top_p, 1e-8)
+        self.repetition_penalty = max(self.repetition_penalty, 1e-6)
         self._generator: torch.Generator | None = None
         self._bias: torch.Tensor | None = None
 

@@ -62,6 +62,11 @@ def _grammar(kind: str, spec) -> str:
     raise ValueError(f"unknown grammar kind {kind!r}")
 
 
+class GrammarRefused(RuntimeError):
+    """The grammar took none of the tokens the model could choose: the format asks for text this model's
+    tokens cannot write (a vocabulary without a character it needs next). The request's fault, not a bug."""
+
+
 class Constraint:
     """One generation's grammar state. `mask(drafts, rows)` -> which tokens each row may choose,
     `commit(tokens)` after the tokens are decided."""
@@ -145,7 +150,7 @@ class Constraint:
     def commit(self, tokens: list[int]) -> None:
         tokens = [t for t in tokens if t not in self.stops]  # the last token, if any: the generation ends
         if tokens and not self.matcher.consume_tokens(tokens):
-            raise RuntimeError(f"structured output: the grammar refused a chosen token ({self.matcher.get_error()})")
+            raise GrammarRefused(f"structured output: the grammar refused a chosen token ({self.matcher.get_error()})")
 
 
 def _lltokenizer(tokenizer, vocab_size: int, stops: list[int], token_bytes: Callable[[int], bytes] | None):

@@ -20,7 +20,7 @@ from ..decoding.fallback import FallbackController
 from ..decoding.prefix_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DiskStore, PrefixCache
 from ..decoding.sampling import Sampler, TokenLogprobs
 from ..decoding.speculative import Stats, generate_tokens
-from ..decoding.structured import Constraint
+from ..decoding.structured import Constraint, GrammarRefused
 from ..generate import Detokenizer, Pipeline, prompt_logprobs
 from .protocol import MAX_BODY_BYTES, APIError, bad, logprob_entry
 from .reasoning import ReasoningSplitter, has_think_tags, starts_inside
@@ -451,7 +451,7 @@ class Engine:
                 if job.tool_calls:
                     finish = "tool_calls"
         except Exception as e:  # a bug or an out-of-memory must not take the worker down
-            if constraint is not None and isinstance(e, RuntimeError) and str(e).startswith("structured output:"):
+            if isinstance(e, GrammarRefused):
                 # The grammar allowed none of the model's tokens (a vocabulary without a character the format
                 # needs next: a tokenizer without byte fallback): the request's format, not a server fault.
                 log.info("dflash serve: %s: %s", job.id, str(e).splitlines()[0][:300])

@@ -325,15 +325,9 @@ def parse_common(body: dict, min_tokens: int = 1) -> GenRequest:
                                                                    for t, v in bias.items()):
             raise bad(f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]",
                       "logit_bias")
-    # Values so small that float32 breaks them become the nearest that does not, which picks the same tokens:
-    # a temperature under 1e-5 is greedy (as vLLM takes it; logits / 1e-40 overflow to inf), a top_p under
-    # 1e-8 keeps the most likely token only, as any that small does (one under 1.4e-45 rounds to 0 and drops
-    # that token too), and a repetition_penalty under 1e-6 puts a repeated token above all others, as any
-    # that small does (logits / 1e-300 overflow).
-    temperature = 0.0 if temperature < 1e-5 else float(temperature)
-    top_p = max(float(top_p), 1e-8)
-    penalties["repetition_penalty"] = max(penalties["repetition_penalty"], 1e-6)
-    sampler = Sampler(temperature, top_p, max(top_k, 0), float(min_p), seed, **penalties, logit_bias=bias)
+    # (values so small that float32 would break them: the Sampler takes the nearest that does not)
+    sampler = Sampler(float(temperature), float(top_p), max(top_k, 0), float(min_p), seed, **penalties,
+                      logit_bias=bias)
     return GenRequest(max_tokens, max_tokens_param, stops, _field(body, "stream", "bool", False), include_usage,
                       sampler, grammar=parse_grammar(body), n=n)
 
