@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from ..generate import Pipeline, check_lengths, load
-from . import fim, messages_api, responses_api
+from . import fim, messages_api, openai_api, responses_api
 from .engine import Engine, Job, ServerConfig
 from .messages_api import CountTokensRequest, MessagesRequest
 from .openai_api import (
@@ -174,6 +174,13 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                                                                  "description": "the error; param: the field"}})
     anthropic_errors = {"4XX": {"model": messages_api.ErrorResponse, "description": "the error; param: the field"}}
 
+    def answer(model, what: str, streams: bool = True) -> dict:
+        """The 200 of a route, documented (not serialized by FastAPI: the handlers' dicts go out as built)."""
+        if not streams:
+            return {200: {"model": model, "description": what}}
+        return {200: {"model": model, "description": f"{what}; with stream: true, server-sent events instead",
+                      "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
     @app.get("/health")
     async def health():
         if engine.pipe is None:
@@ -233,7 +240,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
     async def metrics_json():
         return engine.metrics.as_json()
 
-    @bodies.post("/v1/chat/completions")
+    @bodies.post("/v1/chat/completions", responses=answer(openai_api.ChatCompletion, "the chat completion"))
     async def chat(request: Request, body: ChatCompletionRequest):
         """OpenAI's chat completions."""
         return await chat_answer(request, body.given())
@@ -265,7 +272,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                                       continue_final=continue_final(body, messages))
         return await respond(request, "chat", req, ids, tools, streamer)
 
-    @bodies.post("/v1/responses")
+    @bodies.post("/v1/responses", responses=answer(responses_api.ResponseObject, "the response"))
     async def responses(request: Request, body: ResponsesRequest):
         """OpenAI's Responses API through chat completions (`responses_api`)."""
         body = body.given()
@@ -282,7 +289,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         except messages_api.MessagesError as e:
             raise bad(str(e), e.param) from None
 
-    @bodies.post("/v1/messages", responses=anthropic_errors)
+    @bodies.post("/v1/messages", responses=anthropic_errors | answer(messages_api.MessageResponse, "the message"))
     async def messages(request: Request, body: MessagesRequest):
         """Anthropic's Messages API through chat completions (`messages_api`)."""
         chat = messages_chat(body)
@@ -293,7 +300,8 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                                      fit=True)
         return messages_api.to_message(await chat_answer(request, chat, fit=True), engine.name)
 
-    @bodies.post("/v1/messages/count_tokens", responses=anthropic_errors)
+    @bodies.post("/v1/messages/count_tokens",
+                 responses=anthropic_errors | answer(messages_api.TokenCount, "the prompt's tokens", streams=False))
     async def count_tokens(body: CountTokensRequest):
         """Anthropic's token count: the prompt tokens a /v1/messages request would run."""
         chat = messages_chat(body)
@@ -303,7 +311,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
                                       continue_final=continue_final(chat, messages))
         return {"input_tokens": len(ids)}
 
-    @bodies.post("/v1/completions")
+    @bodies.post("/v1/completions", responses=answer(openai_api.Completion, "the completion"))
     async def completions(request: Request, body: CompletionRequest):
         """OpenAI's (legacy) completions: a prompt continued (or filled in the middle, given a suffix)."""
         body = body.given()

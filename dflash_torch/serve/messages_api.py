@@ -5,7 +5,8 @@ path (so the tokens are the same: greedy output equals target-only output), and 
 as a `message` (`to_message`) or as the Messages API's server-sent events (`events`). Text, system
 prompts, tools (`tool_use` / `tool_result` blocks), `tool_choice`, stop sequences, thinking blocks
 from a model that reasons, and `/v1/messages/count_tokens`. Images and documents are refused. The request
-model (`MessagesRequest`) is what `/openapi.json` documents; `to_chat` checks each message and block.
+model (`MessagesRequest`) and the answers' (`MessageResponse`, `TokenCount`) are what `/openapi.json`
+documents; `to_chat` checks each message and block.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation
 
-from .protocol import Int, Number, RequestModel, Str, doc, required
+from .protocol import Int, Number, RequestModel, ResponseModel, Str, doc, required
 
 # Fields the Messages API has that this server does not implement: refused, never silently ignored.
 UNSUPPORTED = ("container", "mcp_servers", "context_management")
@@ -118,6 +119,56 @@ class ErrorResponse(BaseModel):
     type: Literal["error"]
     error: ErrorDetail
     param: str | None = None
+
+
+# --- the response models (the 200 bodies, documented; built as dicts by to_message and the app) -------
+
+
+class TextOut(ResponseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ThinkingOut(ResponseModel):
+    """A reasoning model's think block (unsigned: an empty signature)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+class ToolUseOut(ResponseModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+ContentOut = Annotated[ThinkingOut | TextOut | ToolUseOut, Field(discriminator="type")]
+
+
+class MessageUsage(ResponseModel):
+    input_tokens: int = Field(description="not read from the prefix cache")
+    output_tokens: int
+    cache_read_input_tokens: int = Field(description="read from the prefix cache")
+    cache_creation_input_tokens: int
+
+
+class MessageResponse(ResponseModel):
+    """A `message` (`stream` false)."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[ContentOut] = Field(description="thinking, then text, then tool_use blocks")
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: MessageUsage
+
+
+class TokenCount(ResponseModel):
+    input_tokens: int
 
 
 class MessagesError(ValueError):

@@ -1,7 +1,7 @@
 """OpenAI's chat completions (`POST /v1/chat/completions`) and completions (`POST /v1/completions`), and
-vLLM's `/tokenize` and `/detokenize` beside them: the request models (what `/openapi.json` documents) and
-the parsing of what is theirs (messages, tools, prompts, log-probabilities) on top of the generation fields
-every dialect shares (`protocol.GenerationFields`, `protocol.parse_common`).
+vLLM's `/tokenize` and `/detokenize` beside them: the request and answer models (what `/openapi.json`
+documents) and the parsing of what is theirs (messages, tools, prompts, log-probabilities) on top of the
+generation fields every dialect shares (`protocol.GenerationFields`, `protocol.parse_common`).
 
 Chat completions is also the internal form of the other dialects: a Responses or Messages request becomes
 a chat completions body (`responses_api`, `messages_api`), which these parsers read.
@@ -19,6 +19,7 @@ from .protocol import (
     Int,
     Object,
     RequestModel,
+    ResponseModel,
     Str,
     _field,
     bad,
@@ -157,6 +158,105 @@ class DetokenizeRequest(RequestModel):
     model_config = ConfigDict(json_schema_extra=required("tokens"))
 
     tokens: SkipValidation[list[Annotated[int, Field(ge=0)]]] = doc("token ids in the vocabulary")
+
+
+# --- response models (the 200 bodies, documented; the answer is built as a dict in app.collect) ------
+
+
+class TopLogprob(ResponseModel):
+    token: str = Field(description="the token's text (invalid UTF-8 replaced)")
+    logprob: float
+    bytes: list[int] = Field(description="the token's bytes")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="the most likely alternatives (top_logprobs of them)")
+
+
+class ChoiceLogprobs(ResponseModel):
+    content: list[TokenLogprob]
+    refusal: None
+
+
+class CalledFunction(ResponseModel):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ChatCompletionToolCall(ResponseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ChatCompletionMessage(ResponseModel):
+    role: Literal["assistant"]
+    content: str | None = Field(description="null: a reply that only called tools")
+    tool_calls: list[ChatCompletionToolCall] | None = Field(None, description="present when it called tools")
+    reasoning_content: str | None = Field(None, description="a reasoning model's think block (--reasoning-parser)")
+
+
+class ChatCompletionChoice(ResponseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChoiceLogprobs | None = Field(description="with logprobs: true")
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    stop_reason: str | None = Field(description="vLLM's: the stop string that ended the text, if one did")
+
+
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = Field(description="read from the prefix cache")
+
+
+class CompletionTokensDetails(ResponseModel):
+    reasoning_tokens: int = Field(description="in the think block (its tags included)")
+
+
+class CompletionUsage(ResponseModel):
+    prompt_tokens: int
+    completion_tokens: int = Field(description="of every choice")
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
+
+
+class ChatCompletion(ResponseModel):
+    """A chat completion (`stream` false): one choice per `n`."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int = Field(description="Unix time, seconds")
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: CompletionUsage
+
+
+class CompletionLogprobs(ResponseModel):
+    """The legacy log-probabilities: one entry per token in each list."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None] = Field(description="null: an echoed prompt's first token")
+    top_logprobs: list[dict[str, float] | None] = Field(description="token -> log-probability")
+    text_offset: list[int] = Field(description="each token's offset in the choice's text (characters)")
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str = Field(description="the completion (after the prompt, with echo)")
+    logprobs: CompletionLogprobs | None = Field(description="with logprobs")
+    finish_reason: Literal["stop", "length"]
+    stop_reason: str | None = Field(description="vLLM's: the stop string that ended the text, if one did")
+
+
+class Completion(ResponseModel):
+    """A (legacy) completion (`stream` false): one choice per `n`."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int = Field(description="Unix time, seconds")
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
 
 
 # --- parsing -------------------------------------------------------------------------------------

@@ -162,6 +162,15 @@ def required(*names: str) -> Callable[[dict, type], None]:
     return extra
 
 
+class ResponseModel(BaseModel):
+    """A 200 answer's body (or a part of one), as `/openapi.json` documents it. The routes build the dict
+    themselves (field order and nulls as sent): these models describe it, they do not serialize it. Each
+    field the server sends is declared (nullable ones as `X | None`, absent-or-not ones with a default);
+    more may come later, so others are allowed."""
+
+    model_config = ConfigDict(extra="allow")
+
+
 class RequestModel(BaseModel):
     """A request body (or a part of one). Fields the model does not name are kept and passed on, as the
     parsers always ignored what they do not read (and refuse by name what they do not implement)."""

@@ -1,5 +1,5 @@
-"""OpenAI's Responses API (`POST /v1/responses`) on top of the server's chat completions: the request model
-(what `/openapi.json` documents), the request turned into the equivalent chat completions body
+"""OpenAI's Responses API (`POST /v1/responses`) on top of the server's chat completions: the request and
+answer models (what `/openapi.json` documents), the request turned into the equivalent chat completions body
 (`responses_to_chat`), and the answer turned back into a `response` object (`chat_to_response`) or the
 Responses API's server-sent events (`events`). Text input and message items, instructions, function tools
 with function_call / function_call_output items, JSON output formats, reasoning effort; nothing is stored.
@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, SkipValidation
 
 from .openai_api import ToolChoice, usage
-from .protocol import Bool, Int, Number, Object, RequestModel, Str, _field, bad, doc, required
+from .protocol import Bool, Int, Number, Object, RequestModel, ResponseModel, Str, _field, bad, doc, required
 
 # Responses fields this adapter does not implement: refused, never silently ignored.
 RESPONSES_UNSUPPORTED = ("previous_response_id", "conversation", "background", "include", "prompt",
@@ -96,6 +96,102 @@ class ResponsesRequest(RequestModel):
     parallel_tool_calls: Bool = doc("false: at most one call per reply")
     chat_template_kwargs: Object = doc("vLLM's: chat template variables")
     metadata: SkipValidation[dict[str, str] | None] = doc("returned as given")
+
+
+# --- the response model (the 200 body, documented; built as a dict by chat_to_response) ------------
+
+
+class OutputText(ResponseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+
+
+class OutputMessage(ResponseModel):
+    type: Literal["message"]
+    id: str
+    status: Literal["completed"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class ReasoningText(ResponseModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(ResponseModel):
+    """A reasoning model's think block."""
+
+    type: Literal["reasoning"]
+    id: str
+    summary: list[Any]
+    status: Literal["completed"]
+    content: list[ReasoningText]
+
+
+class OutputFunctionCall(ResponseModel):
+    type: Literal["function_call"]
+    id: str
+    call_id: str = Field(description="what a function_call_output item answers")
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+    status: Literal["completed"]
+
+
+OutputItem = Annotated[ReasoningItem | OutputMessage | OutputFunctionCall, Field(discriminator="type")]
+
+
+class IncompleteDetails(ResponseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class OutputTextFormat(ResponseModel):
+    type: str
+
+
+class OutputTextConfig(ResponseModel):
+    format: OutputTextFormat
+
+
+class InputTokensDetails(ResponseModel):
+    cached_tokens: int = Field(description="read from the prefix cache")
+
+
+class OutputTokensDetails(ResponseModel):
+    reasoning_tokens: int
+
+
+class ResponseUsage(ResponseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class ResponseObject(ResponseModel):
+    """A Responses API `response` (`stream` false); the request's settings come back as given."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int = Field(description="Unix time, seconds")
+    model: str
+    status: Literal["completed", "incomplete"]
+    incomplete_details: IncompleteDetails | None
+    error: None
+    instructions: str | None
+    output: list[OutputItem] = Field(description="reasoning, then the message, then the function calls")
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any] | None
+    parallel_tool_calls: bool | None
+    temperature: float | None
+    top_p: float | None
+    max_output_tokens: int | None
+    metadata: Any = Field(description="the request's, as given ({} without one)")
+    text: OutputTextConfig
+    store: Literal[False]
+    usage: ResponseUsage
 
 
 # --- to chat completions and back ----------------------------------------------------------------
