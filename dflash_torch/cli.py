@@ -274,6 +274,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     except loading.ModelError as e:
         print(f"default model: {e}")
     print(f"cache: {loading.cache_home()}")
+    try:  # what each group of the default model's matrices is stored as and runs as (--quantize auto)
+        from .generate import load
+
+        pipe = load(None, draft=None, device="cpu", quiet=True, quantize="auto")
+        config = json.loads((pipe.model_path / "config.json").read_text())
+        for line in loading.weight_report(pipe.target, config):
+            print(f"default model weights, {line}")
+    except (loading.ModelError, OSError, ValueError) as e:
+        print(f"default model weights: not loaded ({e})")
     shipped = registry.drafter_for(loading.DEFAULT_MODEL_NAME)
     print(f"default drafter: {shipped or 'not shipped in this install (target-only)'}")
     # optional packages: what each one adds, and whether it is here

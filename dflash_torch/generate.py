@@ -204,6 +204,9 @@ def load(
         else:
             quantizer = quantize_int4 if quantize == "int4" else quantize_int8
             quantizer(target, head=head)
+    if not quiet and config.get("gguf_group_types"):
+        print("dflash: weights (stored -> run as): " + "; ".join(loading.weight_report(target, config)),
+              file=sys.stderr)
     from .models.quantize import exact_prefill
 
     # Every target, not only those quantized above: it acts wherever a quantizer marked the layers

@@ -106,6 +106,60 @@ _GGUF_LAYER_NAMES = {
 }
 
 
+# what `weight_report` calls each group of matrices, by the end of the module's name (fused ones included)
+_GROUPS = (("attention q/k/v", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj")),
+           ("attention output", ("self_attn.o_proj",)),
+           ("MLP gate/up", ("mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj")),
+           ("MLP down", ("mlp.down_proj",)),
+           ("token embedding", ("embed_tokens",)),
+           ("LM head", ("lm_head",)))
+
+
+def _group(name: str) -> str | None:
+    name = name.removesuffix(".weight")
+    return next((label for label, ends in _GROUPS if any(name.endswith(e) for e in ends)), None)
+
+
+def gguf_group_types(reader) -> dict[str, str]:
+    """{group of matrices: the GGUF type(s) the file stores it in ("Q4_1", or "Q4_K/Q6_K" when mixed)};
+    a tied LM head is stored as the token embedding."""
+    found: dict[str, set[str]] = {}
+    for t in reader.tensors:
+        hf = _hf_name(t.name)
+        group = _group(hf) if hf else None
+        if group is not None:
+            found.setdefault(group, set()).add(t.tensor_type.name)
+    if "LM head" not in found and "token embedding" in found:
+        found["LM head"] = found["token embedding"]
+    return {label: "/".join(sorted(found[label])) for label, _ in _GROUPS if label in found}
+
+
+def weight_report(model: torch.nn.Module, config: dict) -> list[str]:
+    """One line per group of matrices: what the file stores (a GGUF file's type, where known) -> what the
+    engine runs it as (a block format, int4 / int8, or a float dtype)."""
+    from .models.quantize import BlockEmbedding, BlockLinear, Int4Linear, Int8Linear
+
+    stored = config.get("gguf_group_types") or {}
+    became: dict[str, set[str]] = {}
+    for name, m in model.named_modules():
+        group = _group(name)
+        if group is None:
+            continue
+        if isinstance(m, BlockLinear):
+            kind = f"{m.fmt} (block kernels)"
+        elif isinstance(m, BlockEmbedding):
+            kind = f"{m.fmt} (rows dequantized as looked up)"
+        elif isinstance(m, (Int4Linear, Int8Linear)):
+            kind = "int4 (PyTorch kernel)" if isinstance(m, Int4Linear) else "int8 (PyTorch kernel)"
+        elif isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            kind = str(m.weight.dtype).removeprefix("torch.")
+        else:
+            continue
+        became.setdefault(group, set()).add(kind)
+    return [f"{label}: {stored.get(label, 'stored')} -> {', '.join(sorted(became[label]))}"
+            for label, _ in _GROUPS if label in became]
+
+
 def _hf_name(name: str) -> str | None:
     """The HF checkpoint key of a GGUF tensor name (blk.N.attn_q.weight -> model.layers.N.self_attn.q_proj
     .weight), None for tensors the engine does not read."""
@@ -132,12 +186,14 @@ def convert_gguf(path: Path) -> Path:
         if config.get("gguf_path") != str(path.resolve()):
             config["gguf_path"] = str(path.resolve())
             (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if "head" not in config.get("gguf_weight_types", {}) or not (out / BLOCKS_FILE).is_file():
-            # converted by an earlier version: add what --quantize auto and stored_blocks read
+        if ("head" not in config.get("gguf_weight_types", {}) or "gguf_group_types" not in config
+                or not (out / BLOCKS_FILE).is_file()):
+            # converted by an earlier version: add what --quantize auto, stored_blocks and weight_report read
             import gguf
 
             reader = gguf.GGUFReader(str(path))
             config["gguf_weight_types"] = gguf_weight_types(reader)
+            config["gguf_group_types"] = gguf_group_types(reader)
             _save_blocks(reader, config, out / BLOCKS_FILE)
             (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _drop_float_copies(out)
@@ -177,6 +233,7 @@ def convert_gguf(path: Path) -> Path:
         "converted_from": path.name,
         "gguf_path": str(path.resolve()),  # transformers' GGUF loader reads it there (`hf_model`)
         "gguf_weight_types": gguf_weight_types(reader),
+        "gguf_group_types": gguf_group_types(reader),
     }
     from .kernels import pack
 

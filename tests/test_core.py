@@ -347,7 +347,12 @@ def test_default_model_generates_text(tmp_path, monkeypatch, capsys):
     config = json.loads(next(tmp_path.glob("models/*/config.json")).read_text())
     assert config["gguf_weight_types"] == {"Q4_1": 210, "head": "Q8_0"}  # 7 matrices x 30 layers; tied head
     assert main(args) == 0
-    assert "q4_1 weights, LM head q8_0 (the GGUF file stores Q4_1, its LM head Q8_0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "q4_1 weights, LM head q8_0 (the GGUF file stores Q4_1, its LM head Q8_0" in err
+    # and per group of matrices, what the file stores -> what runs
+    assert ("attention q/k/v: Q4_1 -> q4_1 (block kernels); attention output: Q4_1 -> q4_1 (block kernels); "
+            "MLP gate/up: Q4_1 -> q4_1 (block kernels); MLP down: Q4_1 -> q4_1 (block kernels); token embedding: "
+            "Q8_0 -> q8_0 (rows dequantized as looked up); LM head: Q8_0 -> q8_0 (block kernels)") in err
     from dflash_torch.generate import load
 
     assert load(None, None, "cpu", quiet=True).quantize is None  # the library's default: as loaded
@@ -439,3 +444,4 @@ def test_doctor_lists_the_install(capsys):
 
     said = ("compiled, " + kernels.best_isa() if kernels.ensure() == "compiled" else "PyTorch reference")
     assert f"block kernels (q4_0 / q4_1 / q8_0, exact verification): {said}" in out
+    assert "default model weights, MLP down: Q4_1 -> " in out  # stored -> what --quantize auto runs
