@@ -276,7 +276,7 @@ def _drop_float_copies(out: Path) -> None:
         if not stored & set(names):
             return
         keep = {n: f.get_tensor(n) for n in names if n not in stored}
-    tmp = floats.with_suffix(".tmp")
+    tmp = floats.with_suffix(f".{os.getpid()}.tmp")  # two processes upgrading at once write apart
     save_file(keep, str(tmp), metadata={"format": "pt"})
     tmp.replace(floats)
 

@@ -417,6 +417,14 @@ def test_default_model_generates_text(tmp_path, monkeypatch, capsys):
     assert again.quantize == "q4_1" and json.loads(path.read_text())["gguf_weight_types"]
     assert torch.equal(again.target.lm_head.packed, auto.target.lm_head.packed)
     assert (path.parent / "blocks.safetensors").is_file()
+    # an older cache's float32 copy of the block-stored matrices is dropped on its next use
+    from safetensors.torch import load_file, save_file
+
+    old = load_file(str(model_dir / "model.safetensors"))
+    stale = {**old, "model.layers.0.mlp.down_proj.weight": torch.zeros(576, 1536)}
+    save_file(stale, str(model_dir / "model.safetensors"))
+    assert loading.resolve_model(None) == model_dir
+    assert load_file(str(model_dir / "model.safetensors")).keys() == old.keys()
 
 
 def test_auto_quantize_follows_the_stored_precision():
