@@ -16,21 +16,26 @@ import time
 import torch
 
 
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def _time_rounds(fns: dict, repeats: int) -> dict:
+    """Median seconds of each function, timed in rounds that call each of them once: a machine whose
+    speed drifts over seconds then slows or speeds all of them alike, so their ratios hold."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict = {key: [] for key in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 @torch.inference_mode()
 def profile_pipeline(pipe, sizes: list[int], context: int = 128, repeats: int = 10) -> dict:
-    """Median seconds of a decode step, and of verify and draft passes per block size."""
+    """Median seconds of a decode step, and of verify and draft passes per block size (timed in rounds
+    that run each once, so that a drift in the machine's speed does not skew their ratios)."""
     target, drafter = pipe.target, pipe.drafter
     device = target.embed_tokens.weight.device
     vocab = target.config.vocab_size
@@ -43,28 +48,27 @@ def profile_pipeline(pipe, sizes: list[int], context: int = 128, repeats: int = 
         cache.crop(context)
         target(prompt[:, :b], cache, logits="all" if b > 1 else "last", taps=taps)
 
-    result = {"context": context, "decode_s": _time(lambda: step(1), repeats), "verify_s": {}, "draft_s": {}}
+    fns = {("decode", 1): lambda: step(1)}
     for b in sizes:
-        result["verify_s"][b] = _time(lambda b=b: step(b), repeats)
+        fns[("verify", b)] = lambda b=b: step(b)
         if drafter is not None and 1 < b <= drafter.block_size:
             dcache = drafter.new_cache(context + b + 1)
             block = torch.full((1, b), drafter.mask_token_id, dtype=torch.long, device=device)
-
-            def draft(b=b, block=block, dcache=dcache):
-                dcache.crop(0)
-                drafter.propose(target, block, out.hidden, dcache).argmax(-1)
-
             # the first cycle's draft also fuses the whole prompt's features; later ones only a few:
             # time the steady state, with the context already cached and a handful of new features
-            draft()
+            dcache.crop(0)
+            drafter.propose(target, block, out.hidden, dcache)
             steady, seen = out.hidden[:, :4], dcache.length  # seen: fewer slots than positions if windowed
 
             def draft_steady(b=b, block=block, dcache=dcache, steady=steady, seen=seen):
                 dcache.crop(seen - 4)
                 drafter.propose(target, block, steady, dcache).argmax(-1)
 
-            result["draft_s"][b] = _time(draft_steady, repeats)
-    return result
+            fns[("draft", b)] = draft_steady
+    t = _time_rounds(fns, repeats)
+    return {"context": context, "decode_s": t[("decode", 1)],
+            "verify_s": {b: t[("verify", b)] for b in sizes},
+            "draft_s": {b: t[("draft", b)] for b in sizes if ("draft", b) in t}}
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

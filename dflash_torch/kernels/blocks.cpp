@@ -348,29 +348,124 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// one block's tile product: activations of rows r0.. (A) by the column tile's unpacked block (B) into C
+// one block's tile product: activations of rows r0.. (A) by the column tile's unpacked block (B) into C.
+// Q4_0's nibbles are unpacked as signed values nibble - 8, so TDPBSSD yields isum - 8 * sx directly (the
+// same integer the other paths compute in two steps); Q4_1's stay unsigned (TDPBSUD), Q8_0 is signed.
 #define DFLASH_AMX_TDP(b, ta, tb, tc)                                                             \
   _tile_loadd(ta, x.q + r0 * x.k + (b) * QK, x.k);                                                \
   _tile_loadd(tb, bt + (b) * 512, 64);                                                            \
   _tile_zero(tc);                                                                                 \
-  if (fmt == Q8_0) _tile_dpbssd(tc, ta, tb); /* signed activations x signed weights */            \
-  else _tile_dpbsud(tc, ta, tb);             /* signed activations x unsigned nibbles */
+  if (fmt == Q4_1) _tile_dpbsud(tc, ta, tb); /* signed activations x unsigned nibbles */          \
+  else _tile_dpbssd(tc, ta, tb);             /* signed activations x signed weights */
 
-// the float step of DFLASH_FLOAT_STEP_AT for one block of a 16-column tile, 16 columns wide
-template <int64_t fmt>
+// the float step of DFLASH_FLOAT_STEP_AT for one block of a 16-column tile, 16 columns wide, for R rows
+// whose sums stay in registers across the blocks (R a constant: the loop unrolls onto zmm registers)
+template <int64_t fmt, int R>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"))) inline void amx_scale(
-    const Rows& x, int64_t r0, int64_t rows, int64_t b, const int32_t* c, const float* dws, const float* mws,
-    float* acc) {
+    const Rows& x, int64_t r0, int64_t b, const int32_t* c, const float* dws, const float* mws, __m512* acc) {
   const __m512 dw = _mm512_loadu_ps(dws + 16 * b);
   const __m512 mw = fmt == Q4_1 ? _mm512_loadu_ps(mws + 16 * b) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; r++) {
-    const int64_t at = (r0 + r) * x.nb + b;
-    __m512i isum = _mm512_load_si512(c + 16 * r);
-    if (fmt == Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * x.s[at]));
-    const __m512 dd = _mm512_mul_ps(_mm512_set1_ps(x.d[at]), dw);
-    __m512 av = _mm512_add_ps(_mm512_load_ps(acc + 16 * r), _mm512_mul_ps(_mm512_cvtepi32_ps(isum), dd));
-    if (fmt == Q4_1) av = _mm512_add_ps(av, _mm512_mul_ps(mw, _mm512_set1_ps(x.ds[at])));
-    _mm512_store_ps(acc + 16 * r, av);
+  const float* dx = x.d + r0 * x.nb + b;
+  const float* dsx = x.ds + r0 * x.nb + b;
+  for (int r = 0; r < R; r++) {
+    const __m512 dd = _mm512_mul_ps(_mm512_set1_ps(dx[r * x.nb]), dw);
+    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), dd));
+    if (fmt == Q4_1) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mw, _mm512_set1_ps(dsx[r * x.nb])));
+  }
+}
+
+// The weights of one 16-column tile (column groups g and g + 1), unpacked block by block into B's layout.
+struct AmxTile {
+  const uint8_t* w0;  // group g's records
+  const uint8_t* w1;  // group g + 1's, or zeros where the matrix has no such group (its columns are unused)
+  uint8_t* bt;        // [nb, 8, 64] bytes: B's rows for each block
+  float* dws;         // [nb, 16] weight scales
+  float* mws;         // [nb, 16] Q4_1 minimums
+};
+
+// unpack block b: the 16 columns' scales (and minimums) to floats, Q4's nibbles spread to bytes (Q4_0:
+// nibble - 8, a signed byte)
+template <int64_t fmt>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"), always_inline)) inline void amx_unpack(
+    const AmxTile& t, int64_t b) {
+  const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
+  const uint8_t* e0 = t.w0 + b * gb;
+  const uint8_t* e1 = t.w1 + b * gb;
+  const __m128i h0 = _mm_loadu_si128((const __m128i*)e0);
+  const __m128i h1 = _mm_loadu_si128((const __m128i*)e1);
+  _mm512_store_ps(t.dws + 16 * b, _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1)));
+  if (fmt == Q4_1) {
+    const __m128i m0 = _mm_loadu_si128((const __m128i*)(e0 + 16));
+    const __m128i m1 = _mm_loadu_si128((const __m128i*)(e1 + 16));
+    _mm512_store_ps(t.mws + 16 * b, _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(m0), m1, 1)));
+  }
+  const uint8_t* q0 = e0 + qoff;
+  const uint8_t* q1 = e1 + qoff;
+  uint8_t* bb = t.bt + 512 * b;
+  if (fmt == Q8_0) {
+    for (int j = 0; j < 8; j++) {
+      _mm256_store_si256((__m256i*)(bb + 64 * j), _mm256_loadu_si256((const __m256i*)(q0 + 32 * j)));
+      _mm256_store_si256((__m256i*)(bb + 64 * j + 32), _mm256_loadu_si256((const __m256i*)(q1 + 32 * j)));
+    }
+    return;
+  }
+  const __m256i low = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(fmt == Q4_0 ? 8 : 0);
+  for (int j = 0; j < 4; j++) {
+    const __m256i v0 = _mm256_loadu_si256((const __m256i*)(q0 + 32 * j));
+    const __m256i v1 = _mm256_loadu_si256((const __m256i*)(q1 + 32 * j));
+    _mm256_store_si256((__m256i*)(bb + 64 * j), _mm256_sub_epi8(_mm256_and_si256(v0, low), eight));
+    _mm256_store_si256((__m256i*)(bb + 64 * j + 32), _mm256_sub_epi8(_mm256_and_si256(v1, low), eight));
+    _mm256_store_si256((__m256i*)(bb + 64 * (j + 4)),
+                       _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low), eight));
+    _mm256_store_si256((__m256i*)(bb + 64 * (j + 4) + 32),
+                       _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low), eight));
+  }
+}
+
+// one tile of R rows x 16 columns over all blocks, in block order; the sums into out [R, 16]. With
+// unpack, each block is unpacked just before its product, so that the unpacking (loads from memory)
+// overlaps the tile instructions' latency; later row tiles of the call reuse the unpacked blocks.
+template <int64_t fmt, int R>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8"))) void amx_rows(
+    const Rows& x, int64_t r0, int64_t nb, const AmxTile& t, bool unpack, float* out) {
+  alignas(64) int32_t ct[2][16 * 16];
+  const uint8_t* bt = t.bt;
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  constexpr int64_t ahead = 6;  // blocks unpacked ahead of their product: the stores settle before tile loads
+  if (unpack)
+    for (int64_t b = 0; b < std::min(ahead, nb); b++) amx_unpack<fmt>(t, b);
+  DFLASH_AMX_TDP(0, 0, 1, 2)
+  for (int64_t b = 0; b < nb; b += 2) {  // two tile sets: one block's product runs while the other's is scaled
+    if (unpack && b + ahead < nb) amx_unpack<fmt>(t, b + ahead);
+    if (unpack && b + ahead + 1 < nb) amx_unpack<fmt>(t, b + ahead + 1);
+    if (b + 1 < nb) {
+      DFLASH_AMX_TDP(b + 1, 3, 4, 5)
+    }
+    _tile_stored(2, ct[0], 64);
+    if (b + 2 < nb) {
+      DFLASH_AMX_TDP(b + 2, 0, 1, 2)
+    }
+    amx_scale<fmt, R>(x, r0, b, ct[0], t.dws, t.mws, acc);
+    if (b + 1 < nb) {
+      _tile_stored(5, ct[1], 64);
+      amx_scale<fmt, R>(x, r0, b + 1, ct[1], t.dws, t.mws, acc);
+    }
+  }
+  for (int r = 0; r < R; r++) _mm512_store_ps(out + 16 * r, acc[r]);
+}
+
+template <int64_t fmt>
+void amx_rows_n(int64_t rows, const Rows& x, int64_t r0, int64_t nb, const AmxTile& t, bool unpack, float* out) {
+  switch (rows) {
+#define DFLASH_AMX_ROWS_CASE(R) \
+  case R: amx_rows<fmt, R>(x, r0, nb, t, unpack, out); break;
+    DFLASH_AMX_ROWS_CASE(1) DFLASH_AMX_ROWS_CASE(2) DFLASH_AMX_ROWS_CASE(3) DFLASH_AMX_ROWS_CASE(4)
+    DFLASH_AMX_ROWS_CASE(5) DFLASH_AMX_ROWS_CASE(6) DFLASH_AMX_ROWS_CASE(7) DFLASH_AMX_ROWS_CASE(8)
+    DFLASH_AMX_ROWS_CASE(9) DFLASH_AMX_ROWS_CASE(10) DFLASH_AMX_ROWS_CASE(11) DFLASH_AMX_ROWS_CASE(12)
+    DFLASH_AMX_ROWS_CASE(13) DFLASH_AMX_ROWS_CASE(14) DFLASH_AMX_ROWS_CASE(15) DFLASH_AMX_ROWS_CASE(16)
+#undef DFLASH_AMX_ROWS_CASE
+    default: TORCH_CHECK(false, "an AMX tile has 1 to 16 rows");
   }
 }
 
@@ -387,72 +482,20 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-ti
     cfg.colsb[3 * set + 2] = 64, cfg.rows[3 * set + 2] = tr;  // C: tr rows x 16 int32 block sums
   }
   _tile_loadconfig(&cfg);
-  thread_local std::vector<uint8_t> bbuf;  // the column tile's blocks, unpacked: [nb, 8, 64]
-  bbuf.resize(nb * 512 + 64);
-  uint8_t* bt = (uint8_t*)(((uintptr_t)bbuf.data() + 63) & ~(uintptr_t)63);
-  thread_local std::vector<float> dws, mws;  // the tile's scales (and minimums), reused across calls
-  dws.resize(nb * 16);
-  if (fmt == Q4_1) mws.resize(nb * 16);
-  alignas(64) int32_t ct[2][16 * 16];
+  thread_local std::vector<uint8_t> buf;  // the column tile's blocks, unpacked, and their scales
+  buf.resize(nb * (512 + 128) + 64);
+  uint8_t* bt = (uint8_t*)(((uintptr_t)buf.data() + 63) & ~(uintptr_t)63);
+  float* dws = (float*)(bt + 512 * nb);
+  thread_local std::vector<uint8_t> zeros;  // stands in for the missing second group of an odd group count
+  zeros.assign(gstride, 0);
   alignas(64) float acc[16 * 16];
-  const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
-  const __m256i low = _mm256_set1_epi8(0x0f);
   for (int64_t t = t0; t < t1; t++) {  // a tile of 16 output columns: groups 2t and 2t + 1
     const int64_t g0 = 2 * t, cols = std::min<int64_t>(2 * GROUP, n - g0 * GROUP);
-    const bool two = g0 + 1 < groups;
-    const uint8_t* w0 = wp + g0 * gstride;
-    const uint8_t* w1 = w0 + gstride;
-    for (int64_t b = 0; b < nb; b++) {  // unpack once for all rows
-      const uint8_t* e0 = w0 + b * gb;
-      const uint8_t* e1 = w1 + b * gb;
-      const __m128i h0 = _mm_loadu_si128((const __m128i*)e0);
-      const __m128i h1 = two ? _mm_loadu_si128((const __m128i*)e1) : _mm_setzero_si128();
-      _mm512_storeu_ps(dws.data() + 16 * b,
-                       _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1)));
-      if (fmt == Q4_1) {
-        const __m128i m0 = _mm_loadu_si128((const __m128i*)(e0 + 16));
-        const __m128i m1 = two ? _mm_loadu_si128((const __m128i*)(e1 + 16)) : _mm_setzero_si128();
-        _mm512_storeu_ps(mws.data() + 16 * b,
-                         _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(m0), m1, 1)));
-      }
-      const uint8_t* q0 = e0 + qoff;
-      const uint8_t* q1 = e1 + qoff;
-      uint8_t* bb = bt + 512 * b;
-      if (fmt == Q8_0) {
-        for (int j = 0; j < 8; j++) {
-          _mm256_store_si256((__m256i*)(bb + 64 * j), _mm256_loadu_si256((const __m256i*)(q0 + 32 * j)));
-          _mm256_store_si256((__m256i*)(bb + 64 * j + 32),
-                             two ? _mm256_loadu_si256((const __m256i*)(q1 + 32 * j)) : _mm256_setzero_si256());
-        }
-      } else {
-        for (int j = 0; j < 4; j++) {
-          const __m256i v0 = _mm256_loadu_si256((const __m256i*)(q0 + 32 * j));
-          const __m256i v1 = two ? _mm256_loadu_si256((const __m256i*)(q1 + 32 * j)) : _mm256_setzero_si256();
-          _mm256_store_si256((__m256i*)(bb + 64 * j), _mm256_and_si256(v0, low));
-          _mm256_store_si256((__m256i*)(bb + 64 * j + 32), _mm256_and_si256(v1, low));
-          _mm256_store_si256((__m256i*)(bb + 64 * (j + 4)), _mm256_and_si256(_mm256_srli_epi16(v0, 4), low));
-          _mm256_store_si256((__m256i*)(bb + 64 * (j + 4) + 32), _mm256_and_si256(_mm256_srli_epi16(v1, 4), low));
-        }
-      }
-    }
+    const AmxTile tile{wp + g0 * gstride, g0 + 1 < groups ? wp + (g0 + 1) * gstride : zeros.data(), bt, dws,
+                       dws + 16 * nb};
     for (int64_t r0 = 0; r0 < m; r0 += tr) {
       const int64_t rows = std::min<int64_t>(tr, m - r0);
-      std::memset(acc, 0, sizeof(float) * 16 * rows);
-      DFLASH_AMX_TDP(0, 0, 1, 2)
-      for (int64_t b = 0; b < nb; b += 2) {  // blocks in order: the float sums' order is fixed
-        if (b + 1 < nb) {
-          DFLASH_AMX_TDP(b + 1, 3, 4, 5)
-        }
-        _tile_stored(2, ct[0], 64);
-        if (b + 2 < nb) {
-          DFLASH_AMX_TDP(b + 2, 0, 1, 2)
-        }
-        amx_scale<fmt>(x, r0, rows, b, ct[0], dws.data(), mws.data(), acc);
-        if (b + 1 < nb) {
-          _tile_stored(5, ct[1], 64);
-          amx_scale<fmt>(x, r0, rows, b + 1, ct[1], dws.data(), mws.data(), acc);
-        }
-      }
+      amx_rows_n<fmt>(rows, x, r0, nb, tile, r0 == 0, acc);
       for (int64_t r = 0; r < rows; r++) {
         float* out = y + (r0 + r) * n + g0 * GROUP;
         const float* a = acc + 16 * r;
@@ -485,12 +528,13 @@ bool amx_usable() {  // the CPU has AMX-TILE and AMX-INT8, and Linux grants this
 // ---- dispatch ----
 
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, VNNI = 2, AMX = 3 };
-// Below this many rows the VNNI path is as fast (a few rows' work is too small for a 16-row tile);
-// DFLASH_AMX_MIN_ROWS overrides it, for measuring (the paths give the same bits, so only speed changes).
+// Below this many rows the VNNI path is faster (a tile's fixed costs, the unpacking to bytes and the sums
+// stored and reloaded, outweigh one or two rows' work); DFLASH_AMX_MIN_ROWS overrides it, for measuring
+// (the paths give the same bits, so only speed changes).
 int64_t amx_min_rows() {
   static const int64_t rows = [] {
     const char* v = std::getenv("DFLASH_AMX_MIN_ROWS");
-    return v && *v ? std::max<int64_t>(1, std::atoll(v)) : 8;
+    return v && *v ? std::max<int64_t>(1, std::atoll(v)) : 4;
   }();
   return rows;
 }
