@@ -10,7 +10,8 @@
 //   m = max_j s_j;  p_j = exp(s_j - m)            exp: dflash_exp below, the same operations on every path
 //   z = sum_j p_j                                 8 lanes by j mod 8, then the tree above
 //   o[d] = (sum_j p_j v_j[d], by fma in j order) / z
-// The AVX2 path and the scalar twin compute exactly this (tests/test_kernels.py compares them bit for bit).
+// The AVX2 path and the scalar twin compute exactly this (tests/test_kernels.py compares them bit for bit);
+// the AVX2 path takes the queries that share a kv head in tiles (tile_avx2), which changes only the loop order.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -107,16 +108,21 @@ DFLASH_AVX2 inline __m256 exp_avx2(__m256 x) {
   return _mm256_and_ps(_mm256_castsi256_ps(bits), keep);
 }
 
+// The AVX2 path takes several queries that read the same keys and values (the heads of one GQA group, at
+// consecutive positions) at once; per query it performs the operations listed at the top, so only the loop
+// order depends on the tile. Keys and values are walked in blocks of KB that stay in L1 while every query
+// of the tile uses them, so a long prefill reads its cache from L2/L3 once per tile instead of once per
+// query. Each query's scores, its max, exps and sum, and its output sums (fma in key order, kept in memory
+// between blocks) are therefore the numbers it gets alone (tests/test_kernels.py compares them with the
+// scalar twin).
+constexpr int64_t KB = 64;
+
 template <int dv>  // head dim / 8, known at compile time so that the vectors stay in registers
-DFLASH_AVX2 void query_avx2(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t n,
-                            float scale, float* buf, float* out) {
-  __m256 qv[dv];
-  for (int64_t c = 0; c < dv; c++) qv[c] = _mm256_loadu_ps(q + 8 * c);
-  __m256 mv = _mm256_set1_ps(-INFINITY);
-  int64_t j = 0;
+DFLASH_AVX2 void scores_avx2(const __m256* qv, const float* k, int64_t ks, int64_t j, int64_t lim, float scale,
+                             float* buf) {  // buf[j .. lim) = scores of keys j .. lim - 1
   const __m256 sc = _mm256_set1_ps(scale);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // lanes hold keys 0 2 4 6 1 3 5 7
-  for (; j + 8 <= n; j += 8) {  // 8 keys at once, their 8-lane sums reduced together by the same tree
+  for (; j + 8 <= lim; j += 8) {  // 8 keys at once, their 8-lane sums reduced together by the same tree
     __m256 a[8];
     for (int u = 0; u < 8; u++) {
       const float* kj = k + (j + u) * ks;
@@ -133,14 +139,20 @@ DFLASH_AVX2 void query_avx2(const float* q, const float* k, int64_t ks, const fl
     const __m256 dots = _mm256_hadd_ps(c0, c1);  // keys 0 2 4 6 | 1 3 5 7
     _mm256_storeu_ps(buf + j, _mm256_mul_ps(_mm256_permutevar8x32_ps(dots, order), sc));
   }
-  for (; j < n; j++) {
+  for (; j < lim; j++) {
     const float* kj = k + j * ks;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t c = 0; c < dv; c++) acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), acc);
     buf[j] = tree8_avx2(acc) * scale;
   }
+}
+
+// softmax weights in place over buf[0 .. n): the max, exps and 8-lane sums; returns z
+DFLASH_AVX2 float softmax_avx2(float* buf, int64_t n) {
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
   float m = -INFINITY;
-  for (j = 0; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(buf + j));
+  for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(buf + j));
   {
     float tmp[8];
     _mm256_storeu_ps(tmp, mv);
@@ -163,16 +175,50 @@ DFLASH_AVX2 void query_avx2(const float* q, const float* k, int64_t ks, const fl
     const __m256 valid = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)(n - j)), _CMP_LT_OQ);
     zv = _mm256_add_ps(zv, _mm256_and_ps(p, valid));
   }
-  const float z = tree8_avx2(zv);
-  __m256 ov[dv];
-  for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_setzero_ps();
-  for (j = 0; j < n; j++) {
-    const __m256 p = _mm256_set1_ps(buf[j]);
-    const float* vj = v + j * vs;
-    for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), ov[c]);
+  return tree8_avx2(zv);
+}
+
+// count queries q[u] (n[u] keys each) against one kv head; buf [count, stride] scratch, acc [count, 8 dv + 1]
+template <int dv>
+DFLASH_AVX2 void tile_avx2(const float* const* q, const int64_t* n, int count, const float* k, int64_t ks,
+                           const float* v, int64_t vs, float scale, float* buf, int64_t stride, float* acc,
+                           float* const* out) {
+  int64_t nmax = 0;
+  for (int u = 0; u < count; u++) nmax = std::max(nmax, n[u]);
+  for (int64_t jb = 0; jb < nmax; jb += KB) {  // scores, a block of keys for every query
+    for (int u = 0; u < count; u++) {
+      if (jb >= n[u]) continue;
+      __m256 qv[dv];
+      for (int64_t c = 0; c < dv; c++) qv[c] = _mm256_loadu_ps(q[u] + 8 * c);
+      scores_avx2<dv>(qv, k, ks, jb, std::min(jb + KB, n[u]), scale, buf + u * stride);
+    }
   }
-  const __m256 zb = _mm256_set1_ps(z);
-  for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(out + 8 * c, _mm256_div_ps(ov[c], zb));
+  float* z = acc + count * 8 * dv;  // acc has count more floats for the sums
+  for (int u = 0; u < count; u++) {
+    z[u] = softmax_avx2(buf + u * stride, n[u]);
+    for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(acc + u * 8 * dv + 8 * c, _mm256_setzero_ps());
+  }
+  for (int64_t jb = 0; jb < nmax; jb += KB) {  // output sums, a block of values for every query
+    for (int u = 0; u < count; u++) {
+      if (jb >= n[u]) continue;
+      const float* p = buf + u * stride;
+      float* a = acc + u * 8 * dv;
+      __m256 ov[dv];
+      for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_loadu_ps(a + 8 * c);
+      const int64_t lim = std::min(jb + KB, n[u]);
+      for (int64_t j = jb; j < lim; j++) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        const float* vj = v + j * vs;
+        for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), ov[c]);
+      }
+      for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(a + 8 * c, ov[c]);
+    }
+  }
+  for (int u = 0; u < count; u++) {
+    const __m256 zb = _mm256_set1_ps(z[u]);
+    for (int64_t c = 0; c < dv; c++)
+      _mm256_storeu_ps(out[u] + 8 * c, _mm256_div_ps(_mm256_loadu_ps(acc + u * 8 * dv + 8 * c), zb));
+  }
 }
 #endif
 
@@ -202,11 +248,14 @@ torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k
   const int64_t best = attention_isa();
   if (isa < 0) isa = best;
   TORCH_CHECK(isa <= best, "this CPU lacks the AVX2 attention path");
-  using Query = void (*)(const float*, const float*, int64_t, const float*, int64_t, int64_t, float, float*, float*);
-  Query vec = nullptr;
+  using Tile = void (*)(const float* const*, const int64_t*, int, const float*, int64_t, const float*, int64_t, float,
+                        float*, int64_t, float*, float* const*);
+  Tile tile = nullptr;
 #ifdef DFLASH_X86
-  if (isa >= 1) vec = d == 64 ? query_avx2<8> : d == 128 ? query_avx2<16> : d == 32 ? query_avx2<4>
-                    : d == 16 ? query_avx2<2> : d == 256 ? query_avx2<32> : d == 96 ? query_avx2<12> : nullptr;
+  if (isa >= 1) {
+    tile = d == 64 ? tile_avx2<8> : d == 128 ? tile_avx2<16> : d == 32 ? tile_avx2<4>
+         : d == 16 ? tile_avx2<2> : d == 256 ? tile_avx2<32> : d == 96 ? tile_avx2<12> : nullptr;
+  }
 #endif
   torch::Tensor q = q_in.to(torch::kFloat32).contiguous();
   auto out = torch::empty({t, h * d}, torch::kFloat32);
@@ -215,6 +264,40 @@ torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ks = k.stride(1), vs = v.stride(1), khs = k.stride(0), vhs = v.stride(0), group = h / hkv;
+#ifdef DFLASH_X86
+  if (tile) {
+    // a tile: up to 32 query heads of one kv head's group (hc of them) at P consecutive positions
+    const int64_t hc = std::min<int64_t>(group, 32), chunks = (group + hc - 1) / hc;
+    const int64_t pos = std::max<int64_t>(1, 32 / hc), nt = (t + pos - 1) / pos, per = hkv * chunks;
+    // about 64k multiply-adds per task before a second thread pays for waking
+    const int64_t work = hc * std::min(pos, t) * (start + t) * d * 2;
+    const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(work, 1));
+    const int64_t stride = start + t + 8;
+    at::parallel_for(0, nt * per, grain, [&](int64_t i0, int64_t i1) {
+      std::vector<float> buf(hc * pos * stride), acc(hc * pos * (d + 1));
+      std::vector<const float*> qs(hc * pos);
+      std::vector<float*> os(hc * pos);
+      std::vector<int64_t> ns(hc * pos);
+      for (int64_t i = i0; i < i1; i++) {
+        // tiles in the order 0, last, 1, last - 1, ...: a thread's contiguous share of them is then as much
+        // work as another's although later positions attend to more keys
+        const int64_t r = i / per, tt = r % 2 == 0 ? r / 2 : nt - 1 - r / 2;
+        const int64_t g = (i % per) / chunks, h0 = g * group + (i % chunks) * hc;
+        const int64_t h1 = std::min(h0 + hc, (g + 1) * group);
+        int count = 0;
+        for (int64_t qi = tt * pos; qi < std::min(t, (tt + 1) * pos); qi++)
+          for (int64_t hi = h0; hi < h1; hi++, count++) {
+            qs[count] = qp + (qi * h + hi) * d;
+            os[count] = op + qi * h * d + hi * d;
+            ns[count] = start + qi + 1;
+          }
+        tile(qs.data(), ns.data(), count, kp + g * khs, ks, vp + g * vhs, vs, (float)scale, buf.data(), stride,
+             acc.data(), os.data());
+      }
+    });
+    return out;
+  }
+#endif
   // about 64k multiply-adds per task before a second thread pays for waking
   const int64_t work = (start + t) * d * 2;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(work, 1));
@@ -224,12 +307,6 @@ torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k
       const int64_t qi = i / h, hi = i % h, g = hi / group, n = start + qi + 1;
       const float* qv = qp + (qi * h + hi) * d;
       float* o = op + qi * h * d + hi * d;
-#ifdef DFLASH_X86
-      if (vec) {
-        vec(qv, kp + g * khs, ks, vp + g * vhs, vs, n, (float)scale, buf.data(), o);
-        continue;
-      }
-#endif
       query_scalar(qv, kp + g * khs, ks, vp + g * vhs, vs, n, d, (float)scale, buf.data(), o);
     }
   });
