@@ -117,11 +117,24 @@ DFLASH_AVX2 inline __m256 exp_avx2(__m256 x) {
 // scalar twin).
 constexpr int64_t KB = 64;
 
+// 8 keys' 8-lane dot sums a[0..8) -> their scores into dst[0..8): tree8's sums for all 8 at once
+DFLASH_AVX2 inline void reduce8_avx2(const __m256* a, __m256 sc, float* dst) {
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // lanes hold keys 0 2 4 6 1 3 5 7
+  __m256 b[4];  // keys 2i, 2i+1: [l0+l4 .. l3+l7 | l0+l4 .. l3+l7]
+  for (int i = 0; i < 4; i++)
+    b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+  // [(l0+l4)+(l2+l6), (l1+l5)+(l3+l7)] per key, keys (0, 2 | 1, 3) and (4, 6 | 5, 7)
+  const __m256 c0 = _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x44), _mm256_shuffle_ps(b[0], b[1], 0xee));
+  const __m256 c1 = _mm256_add_ps(_mm256_shuffle_ps(b[2], b[3], 0x44), _mm256_shuffle_ps(b[2], b[3], 0xee));
+  const __m256 dots = _mm256_hadd_ps(c0, c1);  // keys 0 2 4 6 | 1 3 5 7
+  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_permutevar8x32_ps(dots, order), sc));
+}
+
 template <int dv>  // head dim / 8, known at compile time so that the vectors stay in registers
 DFLASH_AVX2 void scores_avx2(const __m256* qv, const float* k, int64_t ks, int64_t j, int64_t lim, float scale,
                              float* buf) {  // buf[j .. lim) = scores of keys j .. lim - 1
   const __m256 sc = _mm256_set1_ps(scale);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // lanes hold keys 0 2 4 6 1 3 5 7
   for (; j + 8 <= lim; j += 8) {  // 8 keys at once, their 8-lane sums reduced together by the same tree
     __m256 a[8];
     for (int u = 0; u < 8; u++) {
@@ -129,15 +142,7 @@ DFLASH_AVX2 void scores_avx2(const __m256* qv, const float* k, int64_t ks, int64
       a[u] = _mm256_setzero_ps();
       for (int64_t c = 0; c < dv; c++) a[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), a[u]);
     }
-    __m256 b[4];  // keys 2i, 2i+1: [l0+l4 .. l3+l7 | l0+l4 .. l3+l7]
-    for (int i = 0; i < 4; i++)
-      b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
-                           _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
-    // [(l0+l4)+(l2+l6), (l1+l5)+(l3+l7)] per key, keys (0, 2 | 1, 3) and (4, 6 | 5, 7)
-    const __m256 c0 = _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x44), _mm256_shuffle_ps(b[0], b[1], 0xee));
-    const __m256 c1 = _mm256_add_ps(_mm256_shuffle_ps(b[2], b[3], 0x44), _mm256_shuffle_ps(b[2], b[3], 0xee));
-    const __m256 dots = _mm256_hadd_ps(c0, c1);  // keys 0 2 4 6 | 1 3 5 7
-    _mm256_storeu_ps(buf + j, _mm256_mul_ps(_mm256_permutevar8x32_ps(dots, order), sc));
+    reduce8_avx2(a, sc, buf + j);
   }
   for (; j < lim; j++) {
     const float* kj = k + j * ks;
@@ -220,15 +225,147 @@ DFLASH_AVX2 void tile_avx2(const float* const* q, const int64_t* n, int count, c
       _mm256_storeu_ps(out[u] + 8 * c, _mm256_div_ps(_mm256_loadu_ps(acc + u * 8 * dv + 8 * c), zb));
   }
 }
+
+// AVX-512: two queries in one zmm (lanes 0-7 query A, 8-15 query B), each key's 8 floats loaded into both
+// halves, so one instruction does both queries' lane operations: every lane sees the operations it sees on
+// the AVX2 path, in the same order, and the 8-lane sums are reduced per half by the same tree. Same bits,
+// about half the instructions. A pair's keys up to the shorter query's n go together, the rest alone.
+#define DFLASH_AVX512 __attribute__((target("avx2,fma,avx512f,avx512dq")))
+
+DFLASH_AVX512 inline __m512 both_halves(const float* p) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(p)); }
+
+DFLASH_AVX512 inline __m512 pair_of(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+
+template <int dv>
+DFLASH_AVX512 void scores2_avx512(const __m512* qv, const float* k, int64_t ks, int64_t j, int64_t lim, float scale,
+                                  float* bufa, float* bufb) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (; j + 8 <= lim; j += 8) {
+    __m512 a[8];
+    for (int u = 0; u < 8; u++) {
+      const float* kj = k + (j + u) * ks;
+      a[u] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < dv; c++) a[u] = _mm512_fmadd_ps(qv[c], both_halves(kj + 8 * c), a[u]);
+    }
+    __m256 lo[8], hi[8];
+    for (int u = 0; u < 8; u++) {
+      lo[u] = _mm512_castps512_ps256(a[u]);
+      hi[u] = _mm512_extractf32x8_ps(a[u], 1);
+    }
+    reduce8_avx2(lo, sc, bufa + j);
+    reduce8_avx2(hi, sc, bufb + j);
+  }
+  for (; j < lim; j++) {
+    const float* kj = k + j * ks;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < dv; c++) acc = _mm512_fmadd_ps(qv[c], both_halves(kj + 8 * c), acc);
+    bufa[j] = tree8_avx2(_mm512_castps512_ps256(acc)) * scale;
+    bufb[j] = tree8_avx2(_mm512_extractf32x8_ps(acc, 1)) * scale;
+  }
+}
+
+// tile_avx2 with the tile's queries taken two at a time (an odd one out runs on the AVX2 path)
+template <int dv>
+DFLASH_AVX512 void tile_avx512(const float* const* q, const int64_t* n, int count, const float* k, int64_t ks,
+                               const float* v, int64_t vs, float scale, float* buf, int64_t stride, float* acc,
+                               float* const* out) {
+  int64_t nmax = 0;
+  for (int u = 0; u < count; u++) nmax = std::max(nmax, n[u]);
+  for (int64_t jb = 0; jb < nmax; jb += KB) {  // scores, a block of keys for every query
+    int u = 0;
+    for (; u + 2 <= count; u += 2) {
+      const int64_t la = std::min(jb + KB, n[u]), lb = std::min(jb + KB, n[u + 1]), both = std::min(la, lb);
+      float *ba = buf + u * stride, *bb = buf + (u + 1) * stride;
+      if (jb < both) {
+        __m512 qv[dv];
+        for (int64_t c = 0; c < dv; c++) qv[c] = pair_of(q[u] + 8 * c, q[u + 1] + 8 * c);
+        scores2_avx512<dv>(qv, k, ks, jb, both, scale, ba, bb);
+      }
+      for (int w = 0; w < 2; w++) {  // the longer query's keys past the shorter one's
+        const int64_t from = std::max(jb, both), lim = w == 0 ? la : lb;
+        if (from >= lim) continue;
+        __m256 qv[dv];
+        for (int64_t c = 0; c < dv; c++) qv[c] = _mm256_loadu_ps(q[u + w] + 8 * c);
+        scores_avx2<dv>(qv, k, ks, from, lim, scale, w == 0 ? ba : bb);
+      }
+    }
+    if (u < count && jb < n[u]) {
+      __m256 qv[dv];
+      for (int64_t c = 0; c < dv; c++) qv[c] = _mm256_loadu_ps(q[u] + 8 * c);
+      scores_avx2<dv>(qv, k, ks, jb, std::min(jb + KB, n[u]), scale, buf + u * stride);
+    }
+  }
+  float* z = acc + count * 8 * dv;
+  for (int u = 0; u < count; u++) {
+    z[u] = softmax_avx2(buf + u * stride, n[u]);
+    for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(acc + u * 8 * dv + 8 * c, _mm256_setzero_ps());
+  }
+  for (int64_t jb = 0; jb < nmax; jb += KB) {  // output sums, a block of values for every query
+    int u = 0;
+    for (; u + 2 <= count; u += 2) {
+      const int64_t la = std::min(jb + KB, n[u]), lb = std::min(jb + KB, n[u + 1]), both = std::min(la, lb);
+      const float *pa = buf + u * stride, *pb = buf + (u + 1) * stride;
+      float *aa = acc + u * 8 * dv, *ab = acc + (u + 1) * 8 * dv;
+      if (jb < both) {
+        __m512 ov[dv];
+        for (int64_t c = 0; c < dv; c++) ov[c] = pair_of(aa + 8 * c, ab + 8 * c);
+        for (int64_t j = jb; j < both; j++) {
+          const __m512 pj = _mm512_insertf32x8(_mm512_set1_ps(pa[j]), _mm256_set1_ps(pb[j]), 1);
+          const float* vj = v + j * vs;
+          for (int64_t c = 0; c < dv; c++) ov[c] = _mm512_fmadd_ps(pj, both_halves(vj + 8 * c), ov[c]);
+        }
+        for (int64_t c = 0; c < dv; c++) {
+          _mm256_storeu_ps(aa + 8 * c, _mm512_castps512_ps256(ov[c]));
+          _mm256_storeu_ps(ab + 8 * c, _mm512_extractf32x8_ps(ov[c], 1));
+        }
+      }
+      for (int w = 0; w < 2; w++) {  // the longer query's values past the shorter one's, in key order
+        const int64_t from = std::max(jb, both), lim = w == 0 ? la : lb;
+        if (from >= lim) continue;
+        const float* p = w == 0 ? pa : pb;
+        float* a = w == 0 ? aa : ab;
+        __m256 ov[dv];
+        for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_loadu_ps(a + 8 * c);
+        for (int64_t j = from; j < lim; j++) {
+          const __m256 pj = _mm256_set1_ps(p[j]);
+          const float* vj = v + j * vs;
+          for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), ov[c]);
+        }
+        for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(a + 8 * c, ov[c]);
+      }
+    }
+    if (u < count && jb < n[u]) {
+      const float* p = buf + u * stride;
+      float* a = acc + u * 8 * dv;
+      __m256 ov[dv];
+      for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_loadu_ps(a + 8 * c);
+      for (int64_t j = jb; j < std::min(jb + KB, n[u]); j++) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        const float* vj = v + j * vs;
+        for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), ov[c]);
+      }
+      for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(a + 8 * c, ov[c]);
+    }
+  }
+  for (int u = 0; u < count; u++) {
+    const __m256 zb = _mm256_set1_ps(z[u]);
+    for (int64_t c = 0; c < dv; c++)
+      _mm256_storeu_ps(out[u] + 8 * c, _mm256_div_ps(_mm256_loadu_ps(acc + u * 8 * dv + 8 * c), zb));
+  }
+}
 #endif
 
-int64_t attention_isa() {  // 0 scalar, 1 AVX2 (+FMA); ATEN_CPU_CAPABILITY=default caps it as PyTorch's
+int64_t attention_isa() {  // 0 scalar, 1 AVX2 (+FMA), 2 AVX-512; ATEN_CPU_CAPABILITY caps it as PyTorch's
 #ifdef DFLASH_X86
   static const int64_t isa = [] {
     const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
     if (cap && std::strcmp(cap, "default") == 0) return (int64_t)0;
     __builtin_cpu_init();
-    return (int64_t)(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0);
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return (int64_t)0;
+    if (cap && std::strcmp(cap, "avx2") == 0) return (int64_t)1;
+    return (int64_t)(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") ? 2 : 1);
   }();
   return isa;
 #else
@@ -247,15 +384,17 @@ torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k
   TORCH_CHECK(start + t <= k.size(1), "queries past the cache: ", start + t, " > ", k.size(1));
   const int64_t best = attention_isa();
   if (isa < 0) isa = best;
-  TORCH_CHECK(isa <= best, "this CPU lacks the AVX2 attention path");
+  TORCH_CHECK(isa <= best, "this CPU lacks attention path ", isa, " (best: ", best, ")");
   using Tile = void (*)(const float* const*, const int64_t*, int, const float*, int64_t, const float*, int64_t, float,
                         float*, int64_t, float*, float* const*);
   Tile tile = nullptr;
 #ifdef DFLASH_X86
-  if (isa >= 1) {
+  if (isa == 2)
+    tile = d == 64 ? tile_avx512<8> : d == 128 ? tile_avx512<16> : d == 32 ? tile_avx512<4>
+         : d == 16 ? tile_avx512<2> : d == 256 ? tile_avx512<32> : d == 96 ? tile_avx512<12> : nullptr;
+  else if (isa == 1)
     tile = d == 64 ? tile_avx2<8> : d == 128 ? tile_avx2<16> : d == 32 ? tile_avx2<4>
          : d == 16 ? tile_avx2<2> : d == 256 ? tile_avx2<32> : d == 96 ? tile_avx2<12> : nullptr;
-  }
 #endif
   torch::Tensor q = q_in.to(torch::kFloat32).contiguous();
   auto out = torch::empty({t, h * d}, torch::kFloat32);
