@@ -6,16 +6,14 @@ package; it is converted once into the user cache and reused after.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .models import gemma4, llama, qwen3_5, qwen3_5_moe, qwen3_moe
 
@@ -88,24 +86,6 @@ def download(repo_id: str) -> Path:
 
 # --- GGUF ---------------------------------------------------------------------------------------
 
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
 # what `weight_report` calls each group of matrices, by the end of the module's name (fused ones included)
 _GROUPS = (("attention q/k/v", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj")),
            ("attention output", ("self_attn.o_proj",)),
@@ -118,20 +98,6 @@ _GROUPS = (("attention q/k/v", ("self_attn.q_proj", "self_attn.k_proj", "self_at
 def _group(name: str) -> str | None:
     name = name.removesuffix(".weight")
     return next((label for label, ends in _GROUPS if any(name.endswith(e) for e in ends)), None)
-
-
-def gguf_group_types(reader) -> dict[str, str]:
-    """{group of matrices: the GGUF type(s) the file stores it in ("Q4_1", or "Q4_K/Q6_K" when mixed)};
-    a tied LM head is stored as the token embedding."""
-    found: dict[str, set[str]] = {}
-    for t in reader.tensors:
-        hf = _hf_name(t.name)
-        group = _group(hf) if hf else None
-        if group is not None:
-            found.setdefault(group, set()).add(t.tensor_type.name)
-    if "LM head" not in found and "token embedding" in found:
-        found["LM head"] = found["token embedding"]
-    return {label: "/".join(sorted(found[label])) for label, _ in _GROUPS if label in found}
 
 
 def weight_report(model: torch.nn.Module, config: dict) -> list[str]:
@@ -160,156 +126,14 @@ def weight_report(model: torch.nn.Module, config: dict) -> list[str]:
             for label, _ in _GROUPS if label in became]
 
 
-def _hf_name(name: str) -> str | None:
-    """The HF checkpoint key of a GGUF tensor name (blk.N.attn_q.weight -> model.layers.N.self_attn.q_proj
-    .weight), None for tensors the engine does not read."""
-    if name in _GGUF_NAMES:
-        return _GGUF_NAMES[name]
-    parts = name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
-        return None
-    return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-
-
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    # llama.cpp stores q/k rows interleaved for its rotary layout; undo that to get HF's halves layout.
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
 def convert_gguf(path: Path) -> Path:
-    """Dequantize a Llama-architecture GGUF file into an HF-style directory in the cache (once)."""
-    stat = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:10]
-    out = cache_home() / "models" / f"{path.stem}-{key}"
-    if (out / "config.json").is_file():
-        config = json.loads((out / "config.json").read_text())
-        if config.get("gguf_path") != str(path.resolve()):
-            config["gguf_path"] = str(path.resolve())
-            (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if ("head" not in config.get("gguf_weight_types", {}) or "gguf_group_types" not in config
-                or not (out / BLOCKS_FILE).is_file()):
-            # converted by an earlier version: add what --quantize auto, stored_blocks and weight_report read
-            import gguf
+    """Convert a GGUF file into an HF-style directory in the cache, once (`gguf_convert.convert_gguf`)."""
+    from .gguf_convert import convert_gguf as convert
 
-            reader = gguf.GGUFReader(str(path))
-            config["gguf_weight_types"] = gguf_weight_types(reader)
-            config["gguf_group_types"] = gguf_group_types(reader)
-            _save_blocks(reader, config, out / BLOCKS_FILE)
-            (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _drop_float_copies(out)
-        return out
-    import gguf
-    from tqdm import tqdm
-
-    print(f"dflash: converting {path.name} to {out} (once; later runs reuse it)", file=sys.stderr)
-    reader = gguf.GGUFReader(str(path))
-
-    def field(name, default=None):
-        f = reader.fields.get(name)
-        return default if f is None else f.contents()
-
-    arch = field("general.architecture")
-    if arch != "llama":
-        raise ModelError(f"{path.name}: GGUF architecture {arch!r} is not supported (only 'llama')")
-    heads, kv_heads = field("llama.attention.head_count"), field("llama.attention.head_count_kv")
-    hidden = field("llama.embedding_length")
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": len(field("tokenizer.ggml.tokens")),
-        "hidden_size": hidden,
-        "intermediate_size": field("llama.feed_forward_length"),
-        "num_hidden_layers": field("llama.block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads or heads,
-        "head_dim": hidden // heads,
-        "rms_norm_eps": field("llama.attention.layer_norm_rms_epsilon", 1e-5),
-        "max_position_embeddings": field("llama.context_length", 4096),
-        "rope_theta": field("llama.rope.freq_base", 10000.0),
-        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
-        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
-        "converted_from": path.name,
-        "gguf_path": str(path.resolve()),  # transformers' GGUF loader reads it there (`hf_model`)
-        "gguf_weight_types": gguf_weight_types(reader),
-        "gguf_group_types": gguf_group_types(reader),
-    }
-    from .kernels import pack
-
-    state = {}  # in float32 only what is not stored in the block formats (those stay blocks: BLOCKS_FILE)
-    for t in tqdm(reader.tensors, desc="reading", unit="tensor", file=sys.stderr):
-        hf = _hf_name(t.name)
-        if hf is None or t.tensor_type.name.lower() in pack.FORMATS:
-            continue
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-        state[hf] = _rows_as_hf(w, hf, heads, kv_heads or heads).contiguous()
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    _save_blocks(reader, config, tmp / BLOCKS_FILE)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    gen = {"eos_token_id": config["eos_token_id"], "bos_token_id": config["bos_token_id"]}
-    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok.save_pretrained(str(tmp))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
-
-
-def _drop_float_copies(out: Path) -> None:
-    """An earlier version's cache also held the block-stored matrices in float32 (538 MB for the default
-    model's 75 MB file): rewrite its model.safetensors without them, once."""
-    from safetensors import safe_open
-
-    floats, blocks = out / "model.safetensors", out / BLOCKS_FILE
-    if not floats.is_file() or not blocks.is_file():
-        return
-    with safe_open(str(blocks), framework="pt") as f:
-        stored = set(f.keys())
-    with safe_open(str(floats), framework="pt") as f:
-        names = list(f.keys())
-        if not stored & set(names):
-            return
-        keep = {n: f.get_tensor(n) for n in names if n not in stored}
-    tmp = floats.with_suffix(f".{os.getpid()}.tmp")  # two processes upgrading at once write apart
-    save_file(keep, str(tmp), metadata={"format": "pt"})
-    tmp.replace(floats)
-
-
-def _rows_as_hf(w: torch.Tensor, hf: str, heads: int, kv_heads: int) -> torch.Tensor:
-    """A GGUF matrix's rows in HF's order: q and k rows are interleaved for llama.cpp's rotary layout.
-    Works on float rows and on rows of blocks alike (a block never spans two rows)."""
-    if hf.endswith("self_attn.q_proj.weight"):
-        return _unpermute(w, heads)
-    if hf.endswith("self_attn.k_proj.weight"):
-        return _unpermute(w, kv_heads)
-    return w
+    return convert(path)
 
 
 BLOCKS_FILE = "blocks.safetensors"  # a converted GGUF's Q4_0 / Q4_1 / Q8_0 matrices, their bytes as stored
-
-
-def _save_blocks(reader, config: dict, out: Path) -> None:
-    """The file's matrices stored in the block kernels' formats, as uint8 blocks [N, K/32 * bytes] under
-    their HF names, rows in HF's order; the format of each in the metadata."""
-    import numpy as np
-
-    from .kernels import pack
-
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    blocks, formats = {}, {}
-    for t in reader.tensors:
-        fmt, hf = t.tensor_type.name.lower(), _hf_name(t.name)
-        if fmt in pack.FORMATS and hf is not None:
-            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # out of the memmap
-            blocks[hf], formats[hf] = _rows_as_hf(raw, hf, heads, kv_heads).contiguous(), fmt
-    save_file(blocks, str(out), metadata={"formats": json.dumps(formats)})
 
 
 def stored_blocks(model: torch.nn.Module, path: Path) -> dict[torch.nn.Module, tuple[str, torch.Tensor]]:
@@ -336,20 +160,6 @@ def stored_blocks(model: torch.nn.Module, path: Path) -> dict[torch.nn.Module, t
             if raw.shape == (m.out_features, m.in_features // pack.QK * pack.block_bytes(fmt)):
                 out[m] = entry
     return out
-
-
-def gguf_weight_types(reader) -> dict[str, int]:
-    """How many of a GGUF file's layer matrices each storage type holds, e.g. {"Q4_1": 210}, and under
-    "head" the LM head's type (the output matrix, else the tied token embedding)."""
-    counts: dict[str, int] = {}
-    head = None
-    for t in reader.tensors:
-        if t.name.startswith("blk.") and len(t.shape) == 2:
-            name = t.tensor_type.name
-            counts[name] = counts.get(name, 0) + 1
-        elif t.name == "output.weight" or (t.name == "token_embd.weight" and head is None):
-            head = t.tensor_type.name
-    return {**counts, "head": head}
 
 
 def _kernel_for(stored: str | None) -> str | None:

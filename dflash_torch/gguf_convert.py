@@ -1,0 +1,339 @@
+"""GGUF files -> HF-style model directories in the cache (converted once, reused after).
+
+A converted directory holds config.json (an HF config of the file's family, built from its metadata),
+the tokenizer and chat template (transformers reads them out of the file), `loading.BLOCKS_FILE` (the
+matrices the file stores as Q4_0 / Q4_1 / Q8_0, their bytes as stored, rows in HF's order) and
+model.safetensors (every other tensor, dequantized to float32).
+
+Tensor names come from gguf's own name maps (`gguf.get_tensor_name_map`) applied to the keys of
+transformers' model of the family, which is how transformers' GGUF loader pairs them, so the engine
+and that loader read the same tensor into the same weight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from . import loading
+from .loading import ModelError
+
+# GGUF architecture -> (HF model_type, HF class): the engine's families (models/) whose GGUF layout both
+# the gguf package and transformers' GGUF loader know. Mistral files are architecture "llama".
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+}
+# llama.cpp's converter interleaves q/k rows for its rotary layout only for these (its LlamaModel);
+# Qwen and Gemma files keep HF's order (llama.cpp runs them with NeoX-style rotary).
+_PERMUTED = ("llama",)
+# llama.cpp stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the weight as is); HF keeps w.
+_NORM_PLUS_ONE = ("gemma3",)
+
+
+def _field(reader, name: str, default=None):
+    f = reader.fields.get(name)
+    return default if f is None else f.contents()
+
+
+def _arch(reader, path: Path | None = None) -> str:
+    """The file's architecture, or a ModelError naming it and the supported ones."""
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        name = path.name if path is not None else "GGUF file"
+        raise ModelError(f"{name}: GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(ARCHITECTURES)})")
+    return arch
+
+
+
+def _check_types(reader, path: Path) -> None:
+    """Every tensor in a type gguf can dequantize; else a ModelError naming the type and the supported ones."""
+    import gguf
+    import numpy as np
+
+    supported, bad = [], set()
+    for t in gguf.GGMLQuantizationType:
+        block, size = gguf.GGML_QUANT_SIZES.get(t, (0, 0))
+        try:
+            gguf.quants.dequantize(np.zeros((1, size * max(1, 256 // max(block, 1))), np.uint8), t)
+            supported.append(t.name)
+        except Exception:  # noqa: BLE001 -- gguf raises NotImplementedError (or worse) for types it lacks
+            pass
+    for t in reader.tensors:
+        if t.tensor_type.name not in supported:
+            bad.add(t.tensor_type.name)
+    if bad:
+        raise ModelError(f"{path.name}: GGUF tensor type(s) {', '.join(sorted(bad))} not supported "
+                         f"(supported: {', '.join(supported)})")
+
+
+def _config(reader, path: Path) -> dict:
+    """The HF config.json of the file's family, from its metadata (what transformers' GGUF loader reads,
+    plus what llama.cpp fixes in code rather than in the file, e.g. Gemma 3's attention pattern)."""
+    arch = _arch(reader, path)
+    model_type, cls = ARCHITECTURES[arch]
+
+    def field(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    heads, kv_heads = field("attention.head_count"), field("attention.head_count_kv")
+    hidden, layers = field("embedding_length"), field("block_count")
+    head_dim = field("attention.key_length") or hidden // heads
+    config = {
+        "architectures": [cls],
+        "model_type": model_type,
+        "vocab_size": len(_field(reader, "tokenizer.ggml.tokens")),
+        "hidden_size": hidden,
+        "intermediate_size": field("feed_forward_length"),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads or heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": field("attention.layer_norm_rms_epsilon", 1e-5),
+        "max_position_embeddings": field("context_length", 4096),
+        "rope_theta": field("rope.freq_base", 10000.0),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+    }
+    if arch == "qwen3moe":
+        moe = field("expert_feed_forward_length")
+        config.update({"intermediate_size": config["intermediate_size"] or moe, "moe_intermediate_size": moe,
+                       "num_experts": field("expert_count"), "num_experts_per_tok": field("expert_used_count"),
+                       # transformers' GGUF default; llama.cpp's qwen3moe graph normalizes the top-k weights
+                       "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []})
+    if arch == "gemma3":
+        # llama.cpp fixes these in code, not in the file: 5 sliding layers then a global one, local rotary
+        # base 10,000 (unless the file names one), attention scale 1/sqrt(head_dim) (the 27B model, 62
+        # layers, 1/sqrt(hidden / heads): its query_pre_attn_scalar)
+        theta = config.pop("rope_theta")
+        full = {"rope_type": "default", "rope_theta": theta}
+        if field("rope.scaling.type") not in (None, "none") and field("rope.scaling.factor"):
+            full.update(rope_type=field("rope.scaling.type"), factor=field("rope.scaling.factor"))
+        config.update({
+            "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+            "sliding_window": field("attention.sliding_window"),
+            "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+            "rope_parameters": {"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": field("rope.freq_base_swa", 10000.0)}},
+            "hidden_activation": "gelu_pytorch_tanh",
+            "final_logit_softcapping": field("final_logit_softcapping"),
+            "attn_logit_softcapping": field("attn_logit_softcapping"),
+        })
+    config.update({
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+        "converted_from": path.name,
+        "gguf_path": str(path.resolve()),  # transformers' GGUF loader reads it there (`hf_model`)
+    })
+    return config
+
+
+def hf_names(reader, config: dict) -> dict[str, str]:
+    """{GGUF tensor name: HF checkpoint key} for the tensors the engine reads: each key of transformers'
+    model of the family (built on the meta device, no weights) through gguf's name map, as transformers'
+    GGUF loader pairs them. A MoE layer's fused `mlp.experts.gate_up_proj` takes two tensors (gate, up)."""
+    import gguf
+    import transformers
+
+    arch = _arch(reader)
+    enum = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    name_map = gguf.get_tensor_name_map(enum, config["num_hidden_layers"])
+    keep = {"converted_from", "gguf_path", "gguf_weight_types", "gguf_group_types", "architectures", "model_type"}
+    hf_config = transformers.CONFIG_MAPPING[config["model_type"]](**{k: v for k, v in config.items()
+                                                                     if k not in keep})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    names = {}
+    for key in model.state_dict():
+        base, dot, suffix = key.rpartition(".")
+        if suffix not in ("weight", "bias"):  # 3-D expert tensors are parameters without a suffix
+            base, suffix = key, "weight"
+        gguf_name = name_map.get_name(base)
+        if gguf_name is not None:
+            names[f"{gguf_name}.{suffix}"] = key
+        elif key.endswith("mlp.experts.gate_up_proj"):
+            layer = key.split(".")[2]
+            names[f"blk.{layer}.ffn_gate_exps.weight"] = names[f"blk.{layer}.ffn_up_exps.weight"] = key
+    return names
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    # llama.cpp stores q/k rows interleaved for its rotary layout; undo that to get HF's halves layout.
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _rows_as_hf(w: torch.Tensor, hf: str, heads: int, kv_heads: int, arch: str = "llama") -> torch.Tensor:
+    """A GGUF matrix's rows in HF's order: q and k rows are interleaved for llama.cpp's rotary layout in
+    the architectures it permutes (`_PERMUTED`). Works on float rows and on rows of blocks alike (a block
+    never spans two rows)."""
+    if arch not in _PERMUTED:
+        return w
+    if hf.endswith("self_attn.q_proj.weight"):
+        return _unpermute(w, heads)
+    if hf.endswith("self_attn.k_proj.weight"):
+        return _unpermute(w, kv_heads)
+    return w
+
+
+def _is_block(t, hf: str | None) -> bool:
+    """A matrix kept as its GGUF blocks (a 2-D tensor in a block kernel format); 3-D expert stacks are not."""
+    from .kernels import pack
+
+    return hf is not None and t.tensor_type.name.lower() in pack.FORMATS and len(t.shape) == 2
+
+
+def gguf_group_types(reader, names: dict[str, str]) -> dict[str, str]:
+    """{group of matrices: the GGUF type(s) the file stores it in ("Q4_1", or "Q4_K/Q6_K" when mixed)};
+    a tied LM head is stored as the token embedding. `names`: `hf_names` of the file."""
+    found: dict[str, set[str]] = {}
+    for t in reader.tensors:
+        hf = names.get(t.name)
+        group = loading._group(hf) if hf else None
+        if group is not None:
+            found.setdefault(group, set()).add(t.tensor_type.name)
+    if "LM head" not in found and "token embedding" in found:
+        found["LM head"] = found["token embedding"]
+    return {label: "/".join(sorted(found[label])) for label, _ in loading._GROUPS if label in found}
+
+
+def gguf_weight_types(reader) -> dict[str, int]:
+    """How many of a GGUF file's layer matrices each storage type holds, e.g. {"Q4_1": 210}, and under
+    "head" the LM head's type (the output matrix, else the tied token embedding)."""
+    counts: dict[str, int] = {}
+    head = None
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            name = t.tensor_type.name
+            counts[name] = counts.get(name, 0) + 1
+        elif t.name == "output.weight" or (t.name == "token_embd.weight" and head is None):
+            head = t.tensor_type.name
+    return {**counts, "head": head}
+
+
+def _float_state(reader, config: dict, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """In float32 what is not kept in the block formats (`_is_block`), under HF names, in HF's layout."""
+    import gguf
+    from tqdm import tqdm
+
+    arch = _arch(reader)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    state, experts = {}, {}
+    for t in tqdm(reader.tensors, desc="reading", unit="tensor", file=sys.stderr):
+        hf = names.get(t.name)
+        if hf is None or _is_block(t, hf):
+            continue
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+        if arch in _NORM_PLUS_ONE and t.name.endswith("norm.weight"):
+            w = w - 1
+        if hf.endswith("mlp.experts.gate_up_proj"):  # [E, I, H] gate and up -> [E, 2I, H], gate first
+            experts.setdefault(hf, {})["up" if "ffn_up_exps" in t.name else "gate"] = w
+            continue
+        state[hf] = _rows_as_hf(w, hf, heads, kv_heads, arch).contiguous()
+    for hf, parts in experts.items():
+        state[hf] = torch.cat([parts["gate"], parts["up"]], dim=1).contiguous()
+    return state
+
+
+def _save_blocks(reader, config: dict, out: Path, names: dict[str, str]) -> None:
+    """The file's matrices stored in the block kernels' formats, as uint8 blocks [N, K/32 * bytes] under
+    their HF names, rows in HF's order; the format of each in the metadata."""
+    import numpy as np
+
+    arch = _arch(reader)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    blocks, formats = {}, {}
+    for t in reader.tensors:
+        hf = names.get(t.name)
+        if _is_block(t, hf):
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # out of the memmap
+            blocks[hf] = _rows_as_hf(raw, hf, heads, kv_heads, arch).contiguous()
+            formats[hf] = t.tensor_type.name.lower()
+    save_file(blocks, str(out), metadata={"formats": json.dumps(formats)})
+
+
+def convert_gguf(path: Path) -> Path:
+    """Convert a GGUF file of a supported architecture (`ARCHITECTURES`) into an HF-style directory in the
+    cache (once; later calls return it, upgrading a cache an earlier version wrote)."""
+    stat = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:10]
+    out = loading.cache_home() / "models" / f"{path.stem}-{key}"
+    blocks_file = loading.BLOCKS_FILE
+    if (out / "config.json").is_file():
+        config = json.loads((out / "config.json").read_text())
+        if config.get("gguf_path") != str(path.resolve()):
+            config["gguf_path"] = str(path.resolve())
+            (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if ("head" not in config.get("gguf_weight_types", {}) or "gguf_group_types" not in config
+                or not (out / blocks_file).is_file()):
+            # converted by an earlier version: add what --quantize auto, stored_blocks and weight_report read
+            import gguf
+
+            reader = gguf.GGUFReader(str(path))
+            names = hf_names(reader, config)
+            config["gguf_weight_types"] = gguf_weight_types(reader)
+            config["gguf_group_types"] = gguf_group_types(reader, names)
+            _save_blocks(reader, config, out / blocks_file, names)
+            (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _drop_float_copies(out)
+        return out
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # not a GGUF file, truncated, a newer version of the format
+        raise ModelError(f"{path.name}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    config = _config(reader, path)  # (raises for an unsupported architecture before anything is written)
+    _check_types(reader, path)
+    print(f"dflash: converting {path.name} to {out} (once; later runs reuse it)", file=sys.stderr)
+    names = hf_names(reader, config)
+    config["gguf_weight_types"] = gguf_weight_types(reader)
+    config["gguf_group_types"] = gguf_group_types(reader, names)
+    state = _float_state(reader, config, names)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    _save_blocks(reader, config, tmp / blocks_file, names)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen = {"eos_token_id": config["eos_token_id"], "bos_token_id": config["bos_token_id"]}
+    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(tmp))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _drop_float_copies(out: Path) -> None:
+    """An earlier version's cache also held the block-stored matrices in float32 (538 MB for the default
+    model's 75 MB file): rewrite its model.safetensors without them, once."""
+    from safetensors import safe_open
+
+    floats, blocks = out / "model.safetensors", out / loading.BLOCKS_FILE
+    if not floats.is_file() or not blocks.is_file():
+        return
+    with safe_open(str(blocks), framework="pt") as f:
+        stored = set(f.keys())
+    with safe_open(str(floats), framework="pt") as f:
+        names = list(f.keys())
+        if not stored & set(names):
+            return
+        keep = {n: f.get_tensor(n) for n in names if n not in stored}
+    tmp = floats.with_suffix(f".{os.getpid()}.tmp")  # two processes upgrading at once write apart
+    save_file(keep, str(tmp), metadata={"format": "pt"})
+    tmp.replace(floats)
