@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .bench_longctx import row_fields
 from .bench_prompts import SUITES, Prompt, collect_prompts, encode
 from .bench_report import PEER_FIELDS, show_table, summary_markdown, write_json, write_plots
 
@@ -197,15 +198,23 @@ class LlamaCppPeer:
         self.stops = set(stops)
 
     def run(self, ids: list[int], max_tokens: int) -> Timing:
-        n, first = 0, None
+        # generate(reset=True) keeps the KV cache of a common prefix: a repeat of the same prompt would then
+        # skip its prefill, so its TTFT would not be a prefill. Every bench run starts from an empty cache.
+        self.llm.reset()
+        return self.run_reusing(ids, max_tokens)[0]
+
+    def run_reusing(self, ids: list[int], max_tokens: int) -> tuple[Timing, list[int]]:
+        """(timing, tokens) of one generation that reuses the KV cache of the prefix it shares with the
+        previous call (llama-cpp-python's prompt reuse), as a multi-turn chat does."""
+        out, first = [], None
         t0 = time.perf_counter()
         for tok in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            n += 1
+            out.append(tok)
             first = first or time.perf_counter()
-            if tok in self.stops or n >= max_tokens:
+            if tok in self.stops or len(out) >= max_tokens:
                 break
         end = time.perf_counter()
-        return Timing(n, (first or end) - t0, end - (first or end))
+        return Timing(len(out), (first or end) - t0, end - (first or end)), out
 
 
 def llamacpp_gguf(model: str | None) -> tuple[Path | None, str | None]:
@@ -293,6 +302,7 @@ class Row:
         }
         for engine, key in PEER_FIELDS.items():
             d[key] = _r(self.tok_s(engine), 4)
+        d.update(row_fields(self))  # prefill tok/s, the peers' TTFT, acceptance early and late
         d["per_prompt"] = self.per_prompt()
         return d
 
@@ -419,6 +429,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from .generate import check_lengths, load
 
+    if getattr(args, "replay", None) is not None:  # a multi-turn conversation through the server instead
+        from .bench_replay import cmd_replay
+
+        return cmd_replay(args)
     lengths = parse_lengths(args.max_tokens)
     peers = parse_peers(args.peer)
     if args.repeats < 1:
@@ -433,6 +447,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
                 cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab,
                 draft_window=args.draft_window, draft_sinks=args.draft_sinks)
+    if args.suite == "longctx":  # built from the model's own tokenizer, so only now
+        from .bench_longctx import longctx_suites
+
+        suites = longctx_suites(pipe, args.limit) | suites
     encoded = {name: [(p, encode(pipe, p)) for p in ps] for name, ps in suites.items()}
     lookup_only = pipe.drafter is None and args.lookup is True  # --no-draft --lookup: prompt lookup alone
     engines = ["baseline"] + (["dflash"] if pipe.drafter is not None or lookup_only else [])
@@ -612,8 +630,9 @@ def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmark target-only vs DFlash decoding on prompt suites",
                        description=__doc__.split("\n\n")[0])
     _common_model_args(b, quantize="none")  # the README's bench commands measure float32 unless told
-    b.add_argument("--suite", default=None, choices=[*SUITES, "all"],
-                   help="built-in prompt suite (default: chat, unless --prompts is given)")
+    b.add_argument("--suite", default=None, choices=[*SUITES, "all", "longctx"],
+                   help="built-in prompt suite (default: chat, unless --prompts is given; all: the short suites; "
+                        "longctx: prompts of about 2k, 4k and 7k tokens)")
     b.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help='your prompts, one JSON object a line: {"id", "prompt"}, {"id", "messages"} '
                    'or {"id", "prompt_ids"}')
@@ -633,6 +652,10 @@ def add_parser(sub) -> None:
                    help="run the peers prompt by prompt right after ours, so that a row's engines see the same "
                         "machine load (default: after all of ours; interleaved, the peak memory column also "
                         "counts the peers, which then live in the same process)")
+    b.add_argument("--replay", nargs="?", const="sharegpt", default=None, metavar="FILE.jsonl|sharegpt",
+                   help="instead of the suites: replay multi-turn conversations through `dflash serve` (JSONL of "
+                        '{"id", "messages"}; without FILE or "sharegpt": built-in ShareGPT ones), one turn after '
+                        "another with the model's own replies; the first --max-tokens value per turn")
     _sampling_args(b)
     flags = [(tuple(a.option_strings) if isinstance(a, argparse.BooleanOptionalAction) else a.option_strings[-1],
               a.dest, a.nargs == 0) for a in b._actions if a.option_strings and a.dest != "help"]

@@ -105,8 +105,10 @@ def humaneval_prompts() -> list[Prompt]:
 
 
 def collect_prompts(suite: str | None, prompts_file: str | None, limit: int | None) -> dict[str, list[Prompt]]:
-    """{suite: prompts}: the chosen suite(s) and/or the user's file (default: chat), each cut to `limit`."""
-    names = [] if suite is None else (list(SUITES) if suite == "all" else [suite])
+    """{suite: prompts}: the chosen suite(s) and/or the user's file (default: chat), each cut to `limit`.
+
+    "longctx" adds nothing here: its prompts are cut to token counts of the loaded model (bench_longctx)."""
+    names = [] if suite in (None, "longctx") else (list(SUITES) if suite == "all" else [suite])
     if suite is None and prompts_file is None:
         names = ["chat"]
     suites = {name: builtin_suite(name) for name in names}

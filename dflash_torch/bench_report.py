@@ -17,6 +17,10 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
               "Accept rate", "TTFT ms", "Peak MB"]
     lookup = any(r.get("lookup_passes") for r in results["runs"])
     header += ["From lookup"] if lookup else []
+    prefill = any(r.get("prefill_tok_s") is not None for r in results["runs"])
+    header += ["Prefill tok/s"] if prefill else []
+    quarters = any(r.get("acceptance_length_first_quarter") is not None for r in results["runs"])
+    header += ["Accept len Q1/Q4"] if quarters else []  # the first and the last quarter of the output
     widths = any(r.get("verify_widths") for r in results["runs"])
     header += ["Widths"] if widths else []  # verify passes by width, most used first
     header += [{"hf_tok_s": "HF tok/s", "hf_prompt_lookup_tok_s": "HF PLD tok/s",
@@ -33,6 +37,9 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
             fmt(None if r["ttft_s"] is None else 1000 * r["ttft_s"], ".0f"), fmt(r["peak_memory_mb"], ".0f"),
         ] + ([fmt(None if r.get("lookup_accepted_share") is None else 100 * r["lookup_accepted_share"], ".0f")
               + ("%" if r.get("lookup_accepted_share") is not None else "")] if lookup else [])
+          + ([fmt(r.get("prefill_tok_s"), ".0f")] if prefill else [])
+          + ([f"{fmt(r.get('acceptance_length_first_quarter'), '.2f')}/"
+              f"{fmt(r.get('acceptance_length_last_quarter'), '.2f')}"] if quarters else [])
           + ([_widths_cell(r.get("verify_widths") or {})] if widths else [])
           + [fmt(r[k], ".1f") for k in peers])
     return header, cells

@@ -232,6 +232,9 @@ def test_llamacpp_peer_with_a_fake_binding(monkeypatch, tmp_path):
         def __init__(self, model_path, n_ctx, n_threads, verbose):
             self.model_path = model_path
 
+        def reset(self):  # every bench run starts from an empty KV cache
+            pass
+
         def generate(self, tokens, **kw):
             assert kw["temp"] == 0.0 and kw["top_k"] == 1  # greedy
             yield from [11, 12, 13, 2, 14, 15, 16]

@@ -1,0 +1,264 @@
+"""`dflash bench --replay`: multi-turn conversations replayed through the real server (`dflash serve`).
+
+Each conversation's user turns are sent one after another to /v1/chat/completions (streamed), with the
+assistant turns replaced by the server's own replies, so the context grows turn by turn as in a chat. Per
+turn: prompt tokens, tokens the prefix cache held (the server's usage.prompt_tokens_details.cached_tokens),
+time to the first token and decode tok/s as the client sees them, and whether the reply equals target-only
+decoding of the same messages (the Python API with the drafter off, which also gives a cold-prefill TTFT).
+With --peer llamacpp the same conversations run through llama-cpp-python, whose generate() keeps the KV
+cache of the prefix a call shares with the previous one (its prompt reuse), with its own replies.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+REPLAY_SCHEMA = "dflash-bench-replay/1"
+DEFAULT_CONVERSATIONS = 3
+
+
+def read_conversations(path: str | Path) -> list[dict]:
+    """Conversations from JSONL: {"id", "messages": [{"role", "content"}]} a line. The user (and system)
+    messages are replayed in order; assistant messages are dropped (the model's replies take their place)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"replay file not found: {path}")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        msgs = row.get("messages") if isinstance(row, dict) else None
+        ok = isinstance(msgs, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                            and isinstance(m.get("content"), str) for m in msgs)
+        if not ok:
+            raise ValueError(f"{where}: expected {{\"id\", \"messages\": [{{\"role\", \"content\"}}, ...]}}")
+        kept = [m for m in msgs if m["role"] in ("system", "user")]
+        if not any(m["role"] == "user" for m in kept):
+            raise ValueError(f"{where}: the conversation has no user message")
+        out.append({"id": str(row.get("id", f"{path.stem}-{n}")), "messages": kept})
+    if not out:
+        raise ValueError(f"{path}: no conversations in the file")
+    return out
+
+
+def conversations_for(spec: str, limit: int | None) -> list[dict]:
+    """The conversations of --replay: "sharegpt" (built in: ShareGPT conversations with 8+ user turns) or a file."""
+    if spec == "sharegpt":
+        from .bench_longctx import sharegpt_multiturn
+
+        return sharegpt_multiturn(limit or DEFAULT_CONVERSATIONS)
+    convs = read_conversations(spec)
+    return convs[:limit] if limit else convs
+
+
+@contextmanager
+def running_server(pipe, **config) -> Iterator[str]:
+    """The server app serving `pipe` under uvicorn in a thread on a free loopback port; yields its base URL."""
+    import httpx
+    import uvicorn
+
+    from .serve.app import create_app
+    from .serve.engine import ServerConfig
+
+    app = create_app(ServerConfig(**config), loader=lambda: pipe)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    deadline = time.time() + 60
+    while not server.started or httpx.get(base + "/health").status_code != 200:
+        if time.time() > deadline or not thread.is_alive():
+            server.should_exit = True
+            raise RuntimeError("the server did not become ready")
+        time.sleep(0.02)
+    try:
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def chat_turn(base: str, messages: list[dict], max_tokens: int, sampling: dict) -> dict:
+    """One streamed chat completion: its text, TTFT and decode tok/s (client side), and the usage."""
+    import httpx
+
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, **sampling}
+    text, usage, first = [], None, None
+    t0 = time.perf_counter()
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=None) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"the server answered {r.status_code}: {r.read().decode(errors='replace')[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for c in chunk.get("choices") or []:
+                delta = (c.get("delta") or {}).get("content")
+                if delta:
+                    first = first or time.perf_counter()
+                    text.append(delta)
+    end = time.perf_counter()
+    usage = usage or {}
+    n = usage.get("completion_tokens", 0)
+    first = first or end
+    return {"text": "".join(text), "ttft_s": first - t0, "decode_s": end - first, "completion_tokens": n,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+
+
+def _tok_s(tokens: int, seconds: float) -> float | None:
+    return round((tokens - 1) / seconds, 2) if tokens > 1 and seconds > 0 else None
+
+
+def replay_ours(pipe, conv: dict, max_tokens: int, base: str, sampling: dict, log) -> tuple[list[dict], str | None]:
+    """([one record per turn], why it stopped early or None) of one conversation through the server."""
+    from .generate import generate
+
+    messages, turns = [], []
+    for m in conv["messages"]:
+        messages.append(m)
+        if m["role"] != "user":
+            continue
+        ids = pipe.encode_messages(messages)
+        if len(ids) + max_tokens > pipe.max_context:
+            why = (f"turn {len(turns) + 1}: {len(ids)} prompt + {max_tokens} tokens exceed the context of "
+                   f"{pipe.max_context}")
+            log(f"{conv['id']}: stopped at {why}")
+            return turns, why
+        got = chat_turn(base, messages, max_tokens, sampling)
+        ref = generate(pipe, ids, max_tokens, use_draft=False)  # target-only, cold prefill
+        turns.append({
+            "turn": len(turns) + 1, "prompt_tokens": got["prompt_tokens"], "cached_tokens": got["cached_tokens"],
+            "ttft_s": round(got["ttft_s"], 5), "decode_tok_s": _tok_s(got["completion_tokens"], got["decode_s"]),
+            "completion_tokens": got["completion_tokens"],
+            "target_only_ttft_s": round(ref.stats.prefill_s, 5),
+            "output_matches_target_only": got["text"] == ref.text if sampling["temperature"] == 0 else None,
+        })
+        messages.append({"role": "assistant", "content": got["text"]})
+    return turns, None
+
+
+def replay_llamacpp(peer, pipe, conv: dict, max_tokens: int) -> list[dict]:
+    """The conversation through llama-cpp-python with its own replies, reusing the KV cache across turns."""
+    peer.llm.reset()
+    messages, turns, held = [], [], []
+    for m in conv["messages"]:
+        messages.append(m)
+        if m["role"] != "user":
+            continue
+        ids = pipe.encode_messages(messages)
+        if len(ids) + max_tokens > pipe.max_context:
+            break
+        reused = 0  # what generate() will keep: the common prefix with the tokens its cache holds
+        while reused < min(len(held), len(ids)) and held[reused] == ids[reused]:
+            reused += 1
+        timing, toks = peer.run_reusing(ids, max_tokens)
+        held = ids + toks[:-1]  # the last sampled token has not been evaluated into the cache
+        turns.append({"turn": len(turns) + 1, "prompt_tokens": len(ids), "reused_tokens": reused,
+                      "ttft_s": round(timing.ttft_s, 5), "decode_tok_s": _tok_s(timing.tokens, timing.decode_s),
+                      "completion_tokens": timing.tokens})
+        messages.append({"role": "assistant", "content": pipe.decode([t for t in toks if t not in peer.stops])})
+    return turns
+
+
+def cmd_replay(args) -> int:
+    """`dflash bench --replay`: run the conversations, print a table, write replay.json / replay.md to --out."""
+    import torch
+
+    from .bench import LlamaCppPeer, command_line, llamacpp_gguf, machine_info, parse_lengths, parse_peers, versions
+    from .bench_report import write_json
+    from .generate import load
+
+    log = lambda msg: print(f"dflash bench: {msg}", file=sys.stderr)
+    max_tokens = parse_lengths(args.max_tokens)[0]
+    peers = parse_peers(args.peer)
+    if args.suite is not None or args.prompts is not None:
+        raise ValueError("--replay runs conversations of its own: give it without --suite or --prompts")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError("--limit must be >= 1")
+    convs = conversations_for(args.replay, args.limit)
+    pipe = load(args.model, None if args.no_draft else args.draft, args.device, args.dtype, quantize=args.quantize,
+                cuda_graphs=args.cuda_graphs, draft_vocab=args.draft_vocab,
+                draft_window=args.draft_window, draft_sinks=args.draft_sinks)
+    if pipe.tokenizer is None:
+        raise ValueError(f"--replay sends chat messages, and {pipe.model_path} has no tokenizer")
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+                "seed": args.seed}
+    sampling = {k: v for k, v in sampling.items() if v is not None}
+    # as `dflash serve` runs by default: drafter, prompt lookup, fallback, adaptive width, prefix cache
+    config = dict(block_size=args.block_size, adaptive=args.block_size is None and args.adaptive is not False,
+                  lookup=args.lookup, prefill_step_size=args.prefill_step_size)
+    results = {
+        "schema": REPLAY_SCHEMA, "command": command_line(args), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": {"name": pipe.name, "path": str(pipe.model_path),
+                  "draft": str(pipe.draft_path) if pipe.draft_path else None},
+        "machine": machine_info(pipe), "versions": versions(peers),
+        "settings": {"replay": args.replay, "max_tokens": max_tokens, "sampling": sampling, "server": config,
+                     "peers": peers, "peers_skipped": {}},
+        "conversations": [],
+    }
+    with running_server(pipe, **config) as base:
+        chat_turn(base, [{"role": "user", "content": "Hi"}], 8, sampling)  # warm-up, not counted
+        for conv in convs:
+            turns, why = replay_ours(pipe, conv, max_tokens, base, sampling, log)
+            results["conversations"].append({"id": conv["id"], "turns": turns, "stopped": why})
+            log(f"{conv['id']}: {len(turns)} turns")
+    if "llamacpp" in peers:
+        gguf, why = llamacpp_gguf(args.model)
+        if why:
+            results["settings"]["peers_skipped"]["llamacpp"] = why
+            log(f"peer llamacpp skipped: {why}")
+        else:
+            peer = LlamaCppPeer(gguf, pipe.max_context, pipe.stop_token_ids, torch.get_num_threads())
+            for conv, row in zip(convs, results["conversations"]):
+                row["llamacpp_turns"] = replay_llamacpp(peer, pipe, conv, max_tokens)
+    table = replay_table(results)
+    print(table, file=sys.stderr if args.json else sys.stdout)
+    if args.out:
+        out = Path(args.out).expanduser()
+        write_json(out, results)
+        (out / "results.json").replace(out / "replay.json")  # not results.json: that name holds the suites' schema
+        (out / "replay.md").write_text(f"# dflash bench --replay\n\n```\n{results['command']}\n```\n\n{table}\n")
+        log(f"wrote {out}/replay.json, replay.md")
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+def replay_table(results: dict) -> str:
+    """A markdown table: one line per conversation turn (llama.cpp's columns when it ran)."""
+    lc = any("llamacpp_turns" in c for c in results["conversations"])
+    header = ["Conversation", "Turn", "Prompt", "Cached", "TTFT ms", "Decode tok/s", "Target-only TTFT ms",
+              "Output = target-only"] + (["llama.cpp reused", "llama.cpp TTFT ms", "llama.cpp tok/s"] if lc else [])
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "--:" for i in range(len(header)))
+             + "|"]
+    for c in results["conversations"]:
+        peer = {t["turn"]: t for t in c.get("llamacpp_turns", [])}
+        for t in c["turns"]:
+            match = {True: "yes", False: "no", None: "-"}[t["output_matches_target_only"]]
+            cells = [c["id"], str(t["turn"]), str(t["prompt_tokens"]), str(t["cached_tokens"]),
+                     fmt(1000 * t["ttft_s"], ".0f"), fmt(t["decode_tok_s"], ".1f"),
+                     fmt(1000 * t["target_only_ttft_s"], ".0f"), match]
+            if lc:
+                p = peer.get(t["turn"])
+                cells += ["-", "-", "-"] if p is None else [str(p["reused_tokens"]), fmt(1000 * p["ttft_s"], ".0f"),
+                                                           fmt(p["decode_tok_s"], ".1f")]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
