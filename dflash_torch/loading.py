@@ -299,8 +299,12 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype,
             state[name] = pack.dequantize(raw, fmt).to(dtype)
     state = {k: v.to(dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    from .models.quantize import BlockLinear
+
+    # (kept in their blocks, a block layer's bias with them: in place already)
     missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)
-               and not k.endswith((".packed", ".blocks"))]  # (kept in their blocks: in place already)
+               and not k.endswith((".packed", ".blocks"))
+               and not isinstance(model.get_submodule(k.rpartition(".")[0]), BlockLinear)]
     if missing:
         raise ModelError(f"{path}: checkpoint is missing weights, e.g. {missing[:5]}")
     if unexpected:

@@ -401,7 +401,7 @@ class Model(nn.Module):
     def post_load(self) -> None:
         """Tie the LM head and build the rotary frequencies (again after loading onto a real device)."""
         c = self.config
-        if c.tie_word_embeddings:
+        if c.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # (a head of blocks is tied already)
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope_freqs = {}  # layer type -> (inverse frequencies [head_dim / 2], scale)
         for kind in sorted({s.kind for s in c.layers}):

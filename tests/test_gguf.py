@@ -1,0 +1,280 @@
+"""GGUF files of every supported family and storage type: the engine's logits equal transformers' own
+GGUF loading of the same file, greedy speculative output equals target-only output, and files it cannot
+run get a clear error.
+
+Each file is written here from a tiny random transformers model, the way llama.cpp's converter writes
+one: tensor names through gguf's name map, Llama q/k rows permuted for llama.cpp's rotary layout, Gemma
+norms stored as 1 + w, MoE experts as gate / up / down stacks, the router kept in F32, 1-D tensors in F32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_torch import loading
+from dflash_torch.decoding.speculative import Stats, generate_tokens
+
+VOCAB = 512
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+FAMILIES = {  # GGUF architecture: (transformers config class, its settings)
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False, rope_theta=10000.0)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32, rope_theta=1e6)),  # head_dim != H / heads
+    "qwen3moe": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=64, norm_topk_prob=True)),
+    # 6 layers: llama.cpp's fixed pattern (5 sliding, 1 global) holds a global layer; a window shorter than
+    # the prompt, so the sliding layers mask
+    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, sliding_window=4, query_pre_attn_scalar=16,
+                                        tie_word_embeddings=True)),
+}
+TYPES = ("F32", "F16", "Q8_0", "Q4_0")
+
+
+@functools.cache
+def _tokenizer_fields() -> tuple:
+    """A small byte-level BPE tokenizer: the first VOCAB tokens of the default model's, the merges among them,
+    its chat template (read once: the default file's 49,152 tokens take a while)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(loading.default_gguf()))
+
+    def field(name):
+        return reader.fields[name].contents()
+
+    tokens = field("tokenizer.ggml.tokens")[:VOCAB]
+    have = set(tokens)
+    merges = [m for m in field("tokenizer.ggml.merges")
+              if len(parts := m.split(" ")) == 2 and {parts[0], parts[1], "".join(parts)} <= have]
+    return tokens, field("tokenizer.ggml.token_type")[:VOCAB], merges, field("tokenizer.chat_template")
+
+
+def _tokenizer(writer) -> None:
+    """The tokenizer's metadata as llama.cpp writes it."""
+    tokens, types, merges, template = _tokenizer_fields()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(template)
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's LlamaModel.permute: HF's rotary halves -> interleaved pairs
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(arch: str, qtype: str, path, seed: int = 0):
+    """A tiny random model of `arch` written to `path` (tensors in `qtype`); returns transformers' model."""
+    import gguf
+    import transformers
+
+    cls, settings = FAMILIES[arch]
+    config = getattr(transformers, cls)(**{**BASE, **settings})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # norms and biases away from their init values (1 or 0), so a mix-up shows
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+        model.lm_head.weight.mul_(4)  # logits far apart: greedy text is not one repeated token
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"] if arch != "gemma3"
+                         else c.rope_parameters["full_attention"]["rope_theta"])
+    if arch == "gemma3":
+        w.add_sliding_window(c.sliding_window)
+    if arch == "qwen3moe":
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    _tokenizer(w)
+    name_map = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
+                                        c.num_hidden_layers)
+    tensors = {}
+    for key, t in model.state_dict().items():
+        if key == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        a = t.float().numpy()
+        if key.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: llama.cpp stores gate and up apart
+            layer = key.split(".")[2]
+            tensors[f"blk.{layer}.ffn_gate_exps.weight"], tensors[f"blk.{layer}.ffn_up_exps.weight"] = (
+                np.ascontiguousarray(a[:, : a.shape[1] // 2]), np.ascontiguousarray(a[:, a.shape[1] // 2:]))
+            continue
+        base, _, suffix = key.rpartition(".")
+        if suffix not in ("weight", "bias"):
+            base, suffix = key, "weight"
+        name = f"{name_map.get_name(base)}.{suffix}"
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            a = _permute(a, c.num_attention_heads if "attn_q" in name else c.num_key_value_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            a = a + 1
+        tensors[name] = a
+    for name, a in tensors.items():
+        if a.ndim == 1 or "ffn_gate_inp" in name or qtype == "F32":
+            w.add_tensor(name, a.astype(np.float32))
+        elif qtype == "F16":
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            t = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(a, t), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model
+
+
+def _hf_gguf(path):
+    """transformers' own GGUF loading of the file: its config and its tensors (every one dequantized to
+    float32, names paired by its name map) through `load_gguf_checkpoint`, as `from_pretrained(gguf_file=)`
+    does (which also needs `accelerate`, not installed here)."""
+    import gguf
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    settings = dict(load_gguf_checkpoint(str(path))["config"])
+    # What transformers' GGUF reader leaves at its config defaults though the file (or llama.cpp's code) says
+    # otherwise, given here as the engine reads it: Qwen3's head_dim (it reads no key_length for qwen3, so
+    # it assumes hidden / heads), Qwen3-MoE's expert width (expert_feed_forward_length), Gemma 3's
+    # query_pre_attn_scalar (llama.cpp scales by 1/sqrt(key_length); transformers' default is 256)
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    key_length = reader.fields[f"{arch}.attention.key_length"].contents()
+    if arch == "qwen3":
+        settings["head_dim"] = key_length
+    if arch == "qwen3moe":
+        settings["moe_intermediate_size"] = reader.fields[f"{arch}.expert_feed_forward_length"].contents()
+    if arch == "gemma3":
+        settings["query_pre_attn_scalar"] = key_length
+    config = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, _ = model.load_state_dict(tensors, strict=False)
+    assert not [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)], missing
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.float().eval()
+
+
+def _quantized_activations(model, fmt: str):
+    """Round every linear layer's input as the block kernels do (per row, blocks of 32, d = max|x| / 127,
+    q = round(x / d): `kernels.reference.quantize_act`), so that transformers computes what the engine's
+    block formats compute (integer block dot products are exact; the rest is float32 rounding). A MoE
+    router, stored in F32 but run by the engine in the layers' format `fmt`, gets its weight quantized too."""
+    from dflash_torch.kernels import pack, reference
+
+    def hook(_module, args):
+        x = args[0]
+        flat = x.reshape(-1, x.shape[-1])
+        q, d, _ = reference.quantize_act(flat)
+        return ((q.float().reshape(flat.shape[0], -1, 32) * d[..., None]).reshape(x.shape),)
+
+    for m in model.modules():
+        if type(m).__name__.endswith("TopKRouter"):  # not an nn.Linear, but one to the engine
+            with torch.no_grad():
+                m.weight.copy_(pack.dequantize(pack.quantize(m.weight, fmt), fmt))
+        if isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("TopKRouter"):
+            m.register_forward_pre_hook(hook)
+    return model
+
+
+IDS = [1, 17, 250, 3, 99, 17, 250, 3, 99, 400, 12, 7]  # longer than Gemma's window (4); a repeat for lookup
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_gguf_family_matches_transformers(arch, qtype, tmp_path, monkeypatch):
+    """The engine's logits of a GGUF file equal transformers' GGUF loading of it, and greedy speculative
+    decoding (prompt lookup) gives target-only output."""
+    from dflash_torch.generate import load
+
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    path = tmp_path / f"tiny-{arch}.{qtype}.gguf"
+    write_gguf(arch, qtype, path)
+    quantize = qtype.lower() if qtype.startswith("Q") else "none"
+    pipe = load(str(path), None, "cpu", quiet=True, quantize=quantize)
+    ids = torch.tensor([IDS])
+    hf = _hf_gguf(path)
+    with torch.inference_mode():
+        ours = pipe.target(ids, pipe.target.new_cache(64), logits="all").logits
+        theirs = hf(ids).logits
+    # F32 / F16 files: both read the same float32 weights (F16 widened exactly) and differ only in the order
+    # of float32 operations: a few ulps per op through a few layers, far under 1e-4 of logits of size ~1-10.
+    scale = theirs.abs().max().item()
+    if quantize == "none":
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4 * scale)
+    else:
+        # The block formats: the file's floats themselves first (--quantize none dequantizes the kept
+        # blocks, rows in HF's order), to the same float32 tolerance
+        none = load(str(path), None, "cpu", quiet=True, quantize="none").target
+        with torch.inference_mode():
+            floats = none(ids, none.new_cache(64), logits="all").logits
+            quantized = _quantized_activations(hf, quantize)(ids).logits
+        torch.testing.assert_close(floats, theirs, rtol=0, atol=1e-4 * scale)
+        # then the kernels, whose activations are quantized to 8 bits: transformers on the same weights with
+        # its linear layers' inputs quantized the same way computes the same integer block sums, so the two
+        # differ by float32 rounding, except where an input sits within rounding of a quantization step's
+        # midpoint and the two round it apart: one step of one element. Such flips are bounded by the whole
+        # activation quantization's own effect (every element moved by up to half a step), measured as
+        # |transformers quantized - transformers float|.
+        bound = (quantized - theirs).abs().max().item() + 1e-4 * scale
+        torch.testing.assert_close(ours, quantized, rtol=0, atol=bound)
+    prompt = IDS
+    plain, fast = Stats(), Stats()
+    a = list(generate_tokens(pipe.target, prompt, max_new_tokens=24, stats=plain))
+    b = list(generate_tokens(pipe.target, prompt, max_new_tokens=24, stats=fast, lookup=True))
+    assert a == b and len(a) == 24
+    cfg = (pipe.model_path / "config.json").read_text()
+    assert '"gguf_group_types"' in cfg
+
+
+def _minimal(path, arch: str, qtype: str = "F32") -> None:
+    """A GGUF file of `arch` with Llama-style metadata and one tensor stored as `qtype` (raw bytes)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for add, value in (("block_count", 1), ("embedding_length", 64), ("feed_forward_length", 128),
+                       ("head_count", 4), ("head_count_kv", 4), ("context_length", 64)):
+        getattr(w, f"add_{add}")(value)
+    _tokenizer(w)
+    t = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    w.add_tensor("token_embd.weight", np.zeros((VOCAB, 64 // block * size), np.uint8), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_unsupported_family_and_type_say_so(tmp_path, monkeypatch):
+    """A file of an architecture the engine does not convert, or with a tensor type gguf cannot dequantize,
+    gets a ModelError naming it and what is supported, before anything is written to the cache."""
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    _minimal(tmp_path / "phi.gguf", "phi3")  # transformers and gguf know it; the engine has no Phi family
+    with pytest.raises(loading.ModelError, match=r"GGUF architecture 'phi3' is not supported \(supported: llama, "
+                                                 r"qwen2, qwen3, qwen3moe, gemma3\)"):
+        loading.resolve_model(str(tmp_path / "phi.gguf"))
+    _minimal(tmp_path / "q81.gguf", "llama", "Q8_1")  # a type llama.cpp uses only for activations
+    with pytest.raises(loading.ModelError, match=r"GGUF tensor type\(s\) Q8_1 not supported \(supported: F32, F16, "
+                                                 r"Q4_0.*Q8_0"):
+        loading.resolve_model(str(tmp_path / "q81.gguf"))
+    assert not list((tmp_path / "home").glob("models/*"))
