@@ -288,3 +288,29 @@ def test_rope_attention_equals_its_operators():
     ref = reference.rope_attention(qkv, cos, signed, caches[1][0], caches[1][1], start, h, hkv, 0.25)
     assert torch.equal(caches[1][0], k0) and torch.equal(caches[1][1], v0)
     assert (ref - got).abs().max() <= 4 * (start + t + d) * 2.0**-24 * v0.abs().max()
+
+
+def test_argmax_rows_is_torch_argmax():
+    """argmax.cpp's paths (scalar, AVX2) give torch.argmax(x, -1)'s index on every row: ties to the first
+    index, a NaN's index where a row has one, all -inf rows, signed zeros, widths that are not a multiple
+    of 8 (the vector tail)."""
+    gen = torch.Generator().manual_seed(11)
+    isas = [0, 1] if kernels.best_isa() in ("avx2", "vnni", "amx") else [0]
+    for width in (1, 7, 8, 9, 31, 1000, 49152):
+        x = torch.randn(12, width, generator=gen)
+        x[1] = x[1].round()  # many ties
+        x[2] = float("-inf")
+        x[3, width // 2] = float("nan")
+        x[4] = 0.0
+        x[4, width - 1] = -0.0
+        x[5, width - 1] = float("inf")
+        x[6] = (x[6] * 4).round() / 4
+        x[7, 0] = -0.0
+        x[7, 1:] = -1.0
+        x[8, -1] = float("nan")
+        x[8, 0] = float("nan")
+        want = x.argmax(-1)
+        for isa in isas:
+            assert torch.equal(torch.ops.dflash.argmax_rows(x, isa), want), (width, isa)
+        assert torch.equal(kernels.argmax(x), want)
+        assert torch.equal(kernels.argmax(x[:, : max(1, width // 2)]), x[:, : max(1, width // 2)].argmax(-1))

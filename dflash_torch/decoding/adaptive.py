@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from .. import kernels
+
 
 class AdaptiveBlockSize:
     """`controller` for `speculative.generate_tokens`.
@@ -147,9 +149,9 @@ def calibrate(target, drafter, sizes: tuple[int, ...] | None = None, context: in
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             if b > 1:
-                blk[0, 1:] = drafter.propose(target, blk, out.hidden[:, -new:], dcache)[0].argmax(-1)
+                blk[0, 1:] = kernels.argmax(drafter.propose(target, blk, out.hidden[:, -new:], dcache)[0])
             logits = target(blk, cache, logits="all", taps=drafter.target_layer_ids).logits
-            logits.argmax(-1).tolist()  # the loop's acceptance decision syncs here too
+            kernels.argmax(logits[0]).tolist()  # the loop's acceptance decision syncs here too
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import kernels
+
 
 class History:
     """What the penalties look at: how often each token occurred in the output [V], and whether it
@@ -167,13 +169,13 @@ class Sampler:
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """One token per row of logits [T, V] -> [T]."""
         if self.greedy:
-            return logits.argmax(-1)
+            return kernels.argmax(logits)
         return self._draw(self.probs(logits))
 
     def draft(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [K] from the drafter's logits [K, V], and q [K, V] when sampling."""
         if self.greedy:
-            return draft_logits.argmax(-1), None
+            return kernels.argmax(draft_logits), None
         q = self.probs(draft_logits)
         return self._draw(q), q
 
@@ -183,7 +185,7 @@ class Sampler:
         """(number of draft tokens kept, the target's next token) for draft [K] and the target's
         logits [K + 1, V] at the block positions."""
         if self.greedy:
-            choice = target_logits.argmax(-1)
+            choice = kernels.argmax(target_logits)
             accepted = accept_greedy(draft, choice[:-1])
             return accepted, int(choice[accepted])
         p = self.probs(target_logits)  # [K + 1, V]
