@@ -186,11 +186,27 @@ def _rows_as_hf(w: torch.Tensor, hf: str, heads: int, kv_heads: int, arch: str =
     return w
 
 
-def _is_block(t, hf: str | None) -> bool:
-    """A matrix kept as its GGUF blocks (a 2-D tensor in a block kernel format); 3-D expert stacks are not."""
+# K-quants the block kernels cannot read, converted once into the nearest format they can: Q4_K's 4-bit
+# scale-and-minimum sub-blocks of 32 into Q4_1's (the same shape of code, fp16 scale and minimum per 32);
+# 5 and 6 bits into Q8_0 (Q4_1 would drop 1-2 bits per weight).
+CONVERTED = {"Q4_K": "q4_1", "Q5_K": "q8_0", "Q6_K": "q8_0"}
+
+
+def _block_format(t, hf: str | None) -> str | None:
+    """The block format a matrix is kept in (its own, or `CONVERTED`'s), None for tensors kept in float: 1-D
+    ones, 3-D expert stacks, other types."""
     from .kernels import pack
 
-    return hf is not None and t.tensor_type.name.lower() in pack.FORMATS and len(t.shape) == 2
+    if hf is None or len(t.shape) != 2:
+        return None
+    name = t.tensor_type.name
+    return name.lower() if name.lower() in pack.FORMATS else CONVERTED.get(name)
+
+
+def converted_types(reader, names: dict[str, str]) -> dict[str, str]:
+    """{GGUF type: the block format `_save_blocks` converts it to} for the file's converted matrices."""
+    return {t.tensor_type.name: CONVERTED[t.tensor_type.name] for t in reader.tensors
+            if t.tensor_type.name in CONVERTED and _block_format(t, names.get(t.name))}
 
 
 def gguf_group_types(reader, names: dict[str, str]) -> dict[str, str]:
@@ -201,7 +217,10 @@ def gguf_group_types(reader, names: dict[str, str]) -> dict[str, str]:
         hf = names.get(t.name)
         group = loading._group(hf) if hf else None
         if group is not None:
-            found.setdefault(group, set()).add(t.tensor_type.name)
+            kind = t.tensor_type.name
+            if kind in CONVERTED and _block_format(t, hf):
+                kind = f"{kind} -> {CONVERTED[kind]} (converted)"
+            found.setdefault(group, set()).add(kind)
     if "LM head" not in found and "token embedding" in found:
         found["LM head"] = found["token embedding"]
     return {label: "/".join(sorted(found[label])) for label, _ in loading._GROUPS if label in found}
@@ -222,7 +241,7 @@ def gguf_weight_types(reader) -> dict[str, int]:
 
 
 def _float_state(reader, config: dict, names: dict[str, str]) -> dict[str, torch.Tensor]:
-    """In float32 what is not kept in the block formats (`_is_block`), under HF names, in HF's layout."""
+    """In float32 what is not kept in the block formats (`_block_format`), under HF names, in HF's layout."""
     import gguf
     from tqdm import tqdm
 
@@ -232,7 +251,7 @@ def _float_state(reader, config: dict, names: dict[str, str]) -> dict[str, torch
     state, experts = {}, {}
     for t in tqdm(reader.tensors, desc="reading", unit="tensor", file=sys.stderr):
         hf = names.get(t.name)
-        if hf is None or _is_block(t, hf):
+        if hf is None or _block_format(t, hf):
             continue
         w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
         if arch in _NORM_PLUS_ONE and t.name.endswith("norm.weight"):
@@ -247,9 +266,14 @@ def _float_state(reader, config: dict, names: dict[str, str]) -> dict[str, torch
 
 
 def _save_blocks(reader, config: dict, out: Path, names: dict[str, str]) -> None:
-    """The file's matrices stored in the block kernels' formats, as uint8 blocks [N, K/32 * bytes] under
-    their HF names, rows in HF's order; the format of each in the metadata."""
+    """The file's matrices in the block kernels' formats, as uint8 blocks [N, K/32 * bytes] under their HF
+    names, rows in HF's order; the format of each in the metadata. Those the file stores in one are its
+    bytes as they are; K-quants (`CONVERTED`) are dequantized and quantized into theirs by gguf's quantizer
+    (llama.cpp's reference), once."""
+    import gguf
     import numpy as np
+
+    from .kernels import pack
 
     arch = _arch(reader)
     heads = config["num_attention_heads"]
@@ -257,10 +281,16 @@ def _save_blocks(reader, config: dict, out: Path, names: dict[str, str]) -> None
     blocks, formats = {}, {}
     for t in reader.tensors:
         hf = names.get(t.name)
-        if _is_block(t, hf):
+        fmt = _block_format(t, hf)
+        if fmt is None:
+            continue
+        if t.tensor_type.name in CONVERTED:
+            w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+            raw = pack.quantize(_rows_as_hf(w, hf, heads, kv_heads, arch), fmt)
+        else:
             raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # out of the memmap
-            blocks[hf] = _rows_as_hf(raw, hf, heads, kv_heads, arch).contiguous()
-            formats[hf] = t.tensor_type.name.lower()
+            raw = _rows_as_hf(raw, hf, heads, kv_heads, arch)
+        blocks[hf], formats[hf] = raw.contiguous(), fmt
     save_file(blocks, str(out), metadata={"formats": json.dumps(formats)})
 
 
@@ -285,6 +315,8 @@ def convert_gguf(path: Path) -> Path:
             names = hf_names(reader, config)
             config["gguf_weight_types"] = gguf_weight_types(reader)
             config["gguf_group_types"] = gguf_group_types(reader, names)
+            if converted_types(reader, names):
+                config["gguf_converted"] = converted_types(reader, names)
             _save_blocks(reader, config, out / blocks_file, names)
             (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _drop_float_copies(out)
@@ -301,6 +333,8 @@ def convert_gguf(path: Path) -> Path:
     names = hf_names(reader, config)
     config["gguf_weight_types"] = gguf_weight_types(reader)
     config["gguf_group_types"] = gguf_group_types(reader, names)
+    if converted_types(reader, names):  # (only then: a file of block formats keeps its config as before)
+        config["gguf_converted"] = converted_types(reader, names)
     state = _float_state(reader, config, names)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -162,8 +162,9 @@ def stored_blocks(model: torch.nn.Module, path: Path) -> dict[torch.nn.Module, t
     return out
 
 
-def _kernel_for(stored: str | None) -> str | None:
-    if stored in ("Q4_0", "Q4_1", "Q8_0"):  # the block kernels take these blocks as they are
+def _kernel_for(stored: str | None, converted: dict[str, str]) -> str | None:
+    stored = converted.get(stored, stored)  # K-quants converted into a block format at conversion
+    if stored in ("Q4_0", "Q4_1", "Q8_0", "q4_0", "q4_1", "q8_0"):  # the block kernels take these blocks
         return stored.lower()
     if stored and stored.startswith(("Q2", "Q3", "Q4", "IQ1", "IQ2", "IQ3", "IQ4")):
         return "int4"
@@ -174,15 +175,17 @@ def _kernel_for(stored: str | None) -> str | None:
 
 def auto_quantize(config: dict, device: torch.device) -> tuple[str | None, str | None]:
     """What `--quantize auto` picks, (layers, LM head): on a CPU, the block kernels for matrices a GGUF file
-    stores as Q4_0, Q4_1 or Q8_0 (the same blocks), the int4 kernels for other types of 4 bits or fewer,
+    stores as Q4_0, Q4_1 or Q8_0 (the same blocks) or converted into one at conversion (Q4_K -> q4_1,
+    Q5_K / Q6_K -> q8_0: config "gguf_converted"), the int4 kernels for other types of 4 bits or fewer,
     int8 for 5 to 8 bits, full precision for the rest, so the weights read back at about their stored
     precision and several times faster than float32 (docs/performance.md). (None, None) for other
     models and devices."""
     layers, head = stored_types(config)
     if device.type != "cpu" or layers is None:
         return None, None
-    layers = _kernel_for(layers)
-    head = _kernel_for(head) if layers else None
+    converted = config.get("gguf_converted") or {}
+    layers = _kernel_for(layers, converted)
+    head = _kernel_for(head, converted) if layers else None
     if layers in ("q4_0", "q4_1", "q8_0"):
         from . import kernels
 

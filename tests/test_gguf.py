@@ -158,7 +158,8 @@ def _hf_gguf(path):
     # query_pre_attn_scalar (llama.cpp scales by 1/sqrt(key_length); transformers' default is 256)
     reader = gguf.GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents()
-    key_length = reader.fields[f"{arch}.attention.key_length"].contents()
+    key_length = reader.fields.get(f"{arch}.attention.key_length")
+    key_length = key_length.contents() if key_length is not None else None
     if arch == "qwen3":
         settings["head_dim"] = key_length
     if arch == "qwen3moe":
@@ -278,3 +279,102 @@ def test_gguf_unsupported_family_and_type_say_so(tmp_path, monkeypatch):
                                                  r"Q4_0.*Q8_0"):
         loading.resolve_model(str(tmp_path / "q81.gguf"))
     assert not list((tmp_path / "home").glob("models/*"))
+
+
+# Byte layouts of one 256-value K-quant block (ggml): where its fp16 scale(s) sit; the other bytes (6-bit
+# sub-block scales and minimums, quants) may hold any value. Q6_K's sub-block scales are int8.
+_K_BLOCKS = {"Q4_K": (144, {0: 2e-4, 2: 2e-4}), "Q5_K": (176, {0: 1e-4, 2: 1e-4}), "Q6_K": (210, {208: 5e-5})}
+
+
+def _kquant(rows: int, cols: int, qtype: str, rng) -> np.ndarray:
+    """A [rows, cols] matrix of K-quant blocks: random quants and sub-block scales under fixed fp16 scales
+    (every such block is a valid one; the `gguf` package can decode K-quants but not encode them)."""
+    size, scales = _K_BLOCKS[qtype]
+    raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    for offset, d in scales.items():
+        raw[..., offset:offset + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _write_kquant_llama(path, qtype: str) -> None:
+    """A 2-layer Llama file (hidden 256: K-quant rows are 256-value blocks) with its matrices and embedding
+    in `qtype` and its LM head in Q6_K, as llama.cpp's Q4_K_M and Q5_K_M files store theirs."""
+    import gguf
+
+    h, ffn, heads, kv, head_dim = 256, 256, 4, 2, 64
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in (("block_count", 2), ("embedding_length", h), ("feed_forward_length", ffn),
+                       ("head_count", heads), ("head_count_kv", kv), ("context_length", 256),
+                       ("rope_dimension_count", head_dim)):
+        getattr(w, f"add_{add}")(value)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    _tokenizer(w)
+    t = gguf.GGMLQuantizationType[qtype]
+    w.add_tensor("token_embd.weight", _kquant(VOCAB, h, qtype, rng), raw_dtype=t)
+    w.add_tensor("output.weight", _kquant(VOCAB, h, "Q6_K", rng), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
+    shapes = {"attn_q": (heads * head_dim, h), "attn_k": (kv * head_dim, h), "attn_v": (kv * head_dim, h),
+              "attn_output": (h, heads * head_dim), "ffn_gate": (ffn, h), "ffn_up": (ffn, h), "ffn_down": (h, ffn)}
+    for i in range(2):
+        for name, (n, k) in shapes.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", _kquant(n, k, qtype, rng), raw_dtype=t)
+        for name in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{name}.weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("qtype,fmt", [("Q4_K", "q4_1"), ("Q5_K", "q8_0")])
+def test_gguf_kquants_convert_to_block_formats(qtype, fmt, tmp_path, monkeypatch, capsys):
+    """K-quant matrices are converted once into the nearest block format (Q4_K -> q4_1, Q5_K and Q6_K ->
+    q8_0), within that format's rounding of the file's values; --quantize auto runs them on the block
+    kernels, the banner says so, and the logits are transformers' on the converted weights."""
+    from dflash_torch.generate import load
+    from dflash_torch.kernels import pack
+
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    path = tmp_path / f"tiny-llama.{qtype}.gguf"
+    _write_kquant_llama(path, qtype)
+    pipe = load(str(path), None, "cpu", quantize="auto")
+    err = capsys.readouterr().err
+    assert (pipe.quantize, pipe.lm_head) == (fmt, "q8_0")
+    assert f"MLP gate/up: {qtype} -> {fmt} (converted) -> {fmt} (block kernels)" in err
+    assert "LM head: Q6_K -> q8_0 (converted) -> q8_0 (block kernels)" in err
+    model_dir = pipe.model_path
+    # Each converted matrix against transformers' own dequantization of the file's: gguf's quantizer (llama.cpp's
+    # reference) rounds each value to the nearest of its block's levels, so the error is at most half a step
+    # d (q8_0: max|w| / 127; q4_1: (max - min) / 15), plus the fp16 rounding of the block's scale times its
+    # largest quant (127, 15) and, q4_1, of its minimum m: half an fp16 ulp, 2^-11 relative, or 2^-25 where
+    # the value is subnormal in fp16 (below 2^-14).
+    theirs = _hf_gguf(path).state_dict()
+    for name, kind, raw in loading.iter_blocks(model_dir):
+        ours = pack.dequantize(raw, kind)
+        ref = theirs[name].reshape(ours.shape[0], -1, 32)
+        def fp16(x):
+            return torch.maximum(x.abs() * 2**-11, torch.tensor(2.0**-25))
+
+        if kind == "q8_0":
+            d = ref.abs().amax(-1, keepdim=True) / 127
+            bound = 0.5 * d + 127 * fp16(d)
+        else:
+            lo, hi = ref.amin(-1, keepdim=True), ref.amax(-1, keepdim=True)
+            d = (hi - lo) / 15
+            bound = 0.5 * d + 15 * fp16(d) + fp16(lo)
+        assert ((ours.reshape(ref.shape) - ref).abs() <= bound + 1e-7).all(), name
+    # the kernels on the converted blocks against transformers on the same (dequantized) blocks with its
+    # linear layers' inputs quantized as the kernels do: float32 rounding, and as above, flipped roundings of
+    # activations bounded by the activation quantization's whole effect
+    hf = loading.hf_model(model_dir, torch.float32)
+    ids = torch.tensor([IDS])
+    with torch.inference_mode():
+        ours = pipe.target(ids, pipe.target.new_cache(64), logits="all").logits
+        floats = hf(ids).logits
+        quantized = _quantized_activations(hf, fmt)(ids).logits
+    scale = floats.abs().max().item()
+    torch.testing.assert_close(ours, quantized, rtol=0, atol=(quantized - floats).abs().max().item() + 1e-4 * scale)
+    a = list(generate_tokens(pipe.target, IDS, max_new_tokens=24))
+    assert a == list(generate_tokens(pipe.target, IDS, max_new_tokens=24, lookup=True)) and len(a) == 24
