@@ -80,7 +80,10 @@ def test_speculative_with_a_draft_vocab_equals_target_only(llama_pair):
 
     def spy(*args, **kwargs):
         logits = propose(*args, **kwargs)
-        proposed.extend(logits.argmax(-1).flatten().tolist())
+        best = logits.argmax(-1).flatten()
+        if not kwargs.get("full", True):  # the greedy shortcut's logits: one column per vocabulary id
+            best = drafter.draft_vocab[best]
+        proposed.extend(best.tolist())
         return logits
 
     drafter.propose = spy
@@ -119,13 +122,13 @@ def test_a_vocabulary_with_the_truth_keeps_full_acceptance(llama_pair):
     eye = torch.nn.Linear(256, 256, bias=False)
     eye.weight.data = torch.eye(256)
 
-    def truth_propose(target_, block, ctx, cache):
+    def truth_propose(target_, block, ctx, cache, full=True):
         start = cache.length + ctx.shape[1]
         cache.length = start
         hidden = torch.zeros(1, block.shape[1] - 1, 256)  # [1, bs - 1, V]: the true next tokens, one-hot
         for j in range(block.shape[1] - 1):
             hidden[0, j, truth[start + 1 + j] if start + 1 + j < len(truth) else 0] = 1.0
-        return drafter.logits(hidden, eye)
+        return drafter.logits(hidden, eye, full=full)
 
     propose = drafter.propose
     drafter.propose = truth_propose
@@ -236,3 +239,26 @@ def test_cli_switch_and_generate_output(zlab, tmp_path, capsys):
         assert main(args) == 0
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert out["token_ids"] == case["greedy_output"][:32], flag
+
+
+@pytest.mark.fastpath
+def test_greedy_draft_over_the_vocab_rows_is_the_full_rows_argmax(llama_pair):
+    """DrafterProposer's greedy shortcut (argmax over the draft vocabulary's own logits, mapped to its
+    ids) drafts the tokens of the general path (argmax of the full row, -inf outside the vocabulary),
+    ties included: logits rounded coarsely so that rows hold equal maxima."""
+    from dflash_torch import kernels
+    from dflash_torch.decoding.sampling import Sampler
+
+    target, drafter = llama_pair
+    ids = sorted(random.Random(3).sample(range(256), 80))
+    drafter.set_draft_vocab(ids)
+    try:
+        vocab = drafter.draft_vocab
+        for seed in range(20):
+            hidden = torch.randn(1, 15, 64, generator=torch.Generator().manual_seed(seed))
+            full = (drafter.logits(hidden, target.lm_head) * 2).round()  # [1, 15, 256], ties likely
+            small = (drafter.logits(hidden, target.lm_head, full=False) * 2).round()
+            general, _ = Sampler().draft(full[0])
+            assert torch.equal(vocab[kernels.argmax(small[0])], general)
+    finally:
+        drafter.set_draft_vocab(None)

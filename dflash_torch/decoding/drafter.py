@@ -408,11 +408,13 @@ class DFlashDrafter(nn.Module):
             out = full_out.index_copy_(-1, self.draft_vocab.to(out.device), out)
         return out
 
-    def propose(self, target: nn.Module, block: torch.Tensor, ctx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def propose(self, target: nn.Module, block: torch.Tensor, ctx: torch.Tensor, cache: KVCache,
+                full: bool = True) -> torch.Tensor:
         """Draft logits [B, bs - 1, V] for block [B, bs] (token then masks) given new context
-        features ctx [B, Tc, F] at the positions after the cache's (cache.length + cache.dropped onwards)."""
+        features ctx [B, Tc, F] at the positions after the cache's (cache.length + cache.dropped onwards);
+        with a draft vocabulary and full=False [B, bs - 1, len(draft_vocab)] (see `logits`)."""
         hidden = self.draft_hidden(target, block, ctx, cache)  # [B, bs, H]
-        return self.logits(hidden[:, 1:].to(target.embed_tokens.weight.dtype), target.lm_head)
+        return self.logits(hidden[:, 1:].to(target.embed_tokens.weight.dtype), target.lm_head, full=full)
 
     def draft_hidden(self, target: nn.Module, block: torch.Tensor, ctx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The drafter's hidden states [B, bs, H] after the final norm for block [B, bs] (see `propose`);

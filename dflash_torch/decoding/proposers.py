@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from .lookup import PromptLookup
 from .sampling import History, Sampler
 from .structured import Constraint
@@ -153,13 +154,21 @@ class DrafterProposer:
         block = torch.full((1, bs), self.drafter.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = token
         ctx = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending, dim=1)  # [1, Tc, n_taps * H]
-        draft_logits = self.drafter.propose(self.target, block, ctx, self.cache)[0]  # [bs - 1, V]
-        if self.history is not None:  # propose under the target's penalties and bias (the drafts' own repeats aside)
-            draft_logits = self.sampler.adjust(draft_logits, self.history)
         select = getattr(self.drafter, "select", None)  # a drafter that picks its own tokens (DFlash2)
-        block[0, 1:], probs = (self.constraint.draft(draft_logits, self.sampler) if self.constraint is not None
-                               else select(draft_logits, token, self.sampler) if select is not None
-                               else self.sampler.draft(draft_logits))
+        vocab = getattr(self.drafter, "draft_vocab", None)
+        if (vocab is not None and self.sampler.greedy and self.history is None and self.constraint is None
+                and select is None):
+            # greedy over the draft vocabulary's own logits: its ids ascend, so the first maximum among them
+            # is the first maximum of the full row (-inf elsewhere) that the general path builds
+            small = self.drafter.propose(self.target, block, ctx, self.cache, full=False)[0]  # [bs - 1, |vocab|]
+            block[0, 1:], probs = vocab[kernels.argmax(small)], None
+        else:
+            draft_logits = self.drafter.propose(self.target, block, ctx, self.cache)[0]  # [bs - 1, V]
+            if self.history is not None:  # propose under the target's penalties and bias (not the drafts' repeats)
+                draft_logits = self.sampler.adjust(draft_logits, self.history)
+            block[0, 1:], probs = (self.constraint.draft(draft_logits, self.sampler) if self.constraint is not None
+                                   else select(draft_logits, token, self.sampler) if select is not None
+                                   else self.sampler.draft(draft_logits))
         self.pending = []  # the drafter's cache holds it now
         return Draft(self, block, probs)
 
