@@ -209,6 +209,34 @@ def converted_types(reader, names: dict[str, str]) -> dict[str, str]:
             if t.tensor_type.name in CONVERTED and _block_format(t, names.get(t.name))}
 
 
+def original_matrices(path: Path):
+    """For a converted directory (`path`) of a file with K-quants: a function giving a converted matrix's
+    exact float32 values (HF name -> [N, K], rows in HF's order), dequantized from the GGUF file itself, so
+    that what does not run in its converted blocks (`--quantize none`, another format, transformers'
+    model) has the file's values rather than the conversion's rounding of them. It gives None for other
+    names, and always where the file is no longer at its recorded path (the blocks then stand in)."""
+    config = json.loads((path / "config.json").read_text())
+    gguf_file = Path(config.get("gguf_path") or "")
+    if not config.get("gguf_converted") or not gguf_file.is_file():
+        return lambda name: None
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_file))
+    names = hf_names(reader, config)
+    tensors = {names[t.name]: t for t in reader.tensors if t.name in names and t.tensor_type.name in CONVERTED}
+    arch, heads = _arch(reader), config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+
+    def get(name: str) -> torch.Tensor | None:
+        t = tensors.get(name)
+        if t is None:
+            return None
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+        return _rows_as_hf(w, name, heads, kv_heads, arch).contiguous()
+
+    return get
+
+
 def gguf_group_types(reader, names: dict[str, str]) -> dict[str, str]:
     """{group of matrices: the GGUF type(s) the file stores it in ("Q4_1", or "Q4_K/Q6_K" when mixed)};
     a tied LM head is stored as the token embedding. `names`: `hf_names` of the file."""

@@ -291,6 +291,7 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype,
     with torch.device("meta"):  # no random init of weights that are about to be replaced
         model = family.from_config(config)
     state = family.map_state(read_state(path))
+    original = None  # K-quants converted into blocks: their exact floats, from the GGUF file (when not kept)
     for name, fmt, raw in iter_blocks(path):  # one at a time: only the kept bytes stay
         if name in state:  # an older cache's float copy
             continue
@@ -299,7 +300,12 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype,
                                                             or fmt == blocks[1 if head else 0]):
             _keep_block(model, name, fmt, raw, state, dtype, blocks[1])
         else:
-            state[name] = pack.dequantize(raw, fmt).to(dtype)
+            if original is None:
+                from .gguf_convert import original_matrices
+
+                original = original_matrices(path)
+            exact = original(name)
+            state[name] = (exact if exact is not None else pack.dequantize(raw, fmt)).to(dtype)
     state = {k: v.to(dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     from .models.quantize import BlockLinear
@@ -354,7 +360,13 @@ def hf_model(path: Path, dtype: torch.dtype):
     config = transformers.AutoConfig.from_pretrained(str(path))
     model = transformers.AutoModelForCausalLM.from_config(config)
     state = read_state(path)
-    state.update({name: pack.dequantize(raw, fmt) for name, fmt, raw in iter_blocks(path) if name not in state})
+    from .gguf_convert import original_matrices
+
+    original = original_matrices(path)  # (converted K-quants: the file's own values)
+    for name, fmt, raw in iter_blocks(path):
+        if name not in state:
+            exact = original(name)
+            state[name] = exact if exact is not None else pack.dequantize(raw, fmt)
     missing, _ = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing:

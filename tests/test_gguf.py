@@ -368,13 +368,22 @@ def test_gguf_kquants_convert_to_block_formats(qtype, fmt, tmp_path, monkeypatch
     # the kernels on the converted blocks against transformers on the same (dequantized) blocks with its
     # linear layers' inputs quantized as the kernels do: float32 rounding, and as above, flipped roundings of
     # activations bounded by the activation quantization's whole effect
-    hf = loading.hf_model(model_dir, torch.float32)
+    # --quantize none (and transformers' model of the directory) read the file's own values, exactly
     ids = torch.tensor([IDS])
+    hf = loading.hf_model(model_dir, torch.float32)
+    none = load(str(path), None, "cpu", quiet=True, quantize="none").target
+    with torch.inference_mode():
+        floats = _hf_gguf(path)(ids).logits
+        scale = floats.abs().max().item()
+        torch.testing.assert_close(none(ids, none.new_cache(64), logits="all").logits, floats, rtol=0,
+                                   atol=1e-4 * scale)
+        torch.testing.assert_close(hf(ids).logits, floats, rtol=0, atol=1e-4 * scale)
+    hf.load_state_dict({name: pack.dequantize(raw, kind) for name, kind, raw in loading.iter_blocks(model_dir)},
+                       strict=False)  # now on the converted weights, as the block kernels run them
     with torch.inference_mode():
         ours = pipe.target(ids, pipe.target.new_cache(64), logits="all").logits
         floats = hf(ids).logits
         quantized = _quantized_activations(hf, fmt)(ids).logits
-    scale = floats.abs().max().item()
     torch.testing.assert_close(ours, quantized, rtol=0, atol=(quantized - floats).abs().max().item() + 1e-4 * scale)
     a = list(generate_tokens(pipe.target, IDS, max_new_tokens=24))
     assert a == list(generate_tokens(pipe.target, IDS, max_new_tokens=24, lookup=True)) and len(a) == 24
