@@ -402,24 +402,22 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"), always_inline)
   const uint8_t* q0 = e0 + qoff;
   const uint8_t* q1 = e1 + qoff;
   uint8_t* bb = t.bt + 512 * b;
+  // B's row j: chunk j of both groups, one 64-byte store
+#define DFLASH_BOTH(off)                                                                  \
+  _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(q0 + (off)))), \
+                     _mm256_loadu_si256((const __m256i*)(q1 + (off))), 1)
   if (fmt == Q8_0) {
-    for (int j = 0; j < 8; j++) {
-      _mm256_store_si256((__m256i*)(bb + 64 * j), _mm256_loadu_si256((const __m256i*)(q0 + 32 * j)));
-      _mm256_store_si256((__m256i*)(bb + 64 * j + 32), _mm256_loadu_si256((const __m256i*)(q1 + 32 * j)));
-    }
+    for (int j = 0; j < 8; j++) _mm512_store_si512((__m512i*)(bb + 64 * j), DFLASH_BOTH(32 * j));
     return;
   }
-  const __m256i low = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(fmt == Q4_0 ? 8 : 0);
+  const __m512i low = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(fmt == Q4_0 ? 8 : 0);
   for (int j = 0; j < 4; j++) {
-    const __m256i v0 = _mm256_loadu_si256((const __m256i*)(q0 + 32 * j));
-    const __m256i v1 = _mm256_loadu_si256((const __m256i*)(q1 + 32 * j));
-    _mm256_store_si256((__m256i*)(bb + 64 * j), _mm256_sub_epi8(_mm256_and_si256(v0, low), eight));
-    _mm256_store_si256((__m256i*)(bb + 64 * j + 32), _mm256_sub_epi8(_mm256_and_si256(v1, low), eight));
-    _mm256_store_si256((__m256i*)(bb + 64 * (j + 4)),
-                       _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low), eight));
-    _mm256_store_si256((__m256i*)(bb + 64 * (j + 4) + 32),
-                       _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low), eight));
+    const __m512i v = DFLASH_BOTH(32 * j);
+    _mm512_store_si512((__m512i*)(bb + 64 * j), _mm512_sub_epi8(_mm512_and_si512(v, low), eight));
+    _mm512_store_si512((__m512i*)(bb + 64 * (j + 4)),
+                       _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight));
   }
+#undef DFLASH_BOTH
 }
 
 // one tile of R rows x 16 columns over all blocks, in block order; the sums into out [R, 16]. With
