@@ -183,6 +183,29 @@ DFLASH_AVX2 float softmax_avx2(float* buf, int64_t n) {
   return tree8_avx2(zv);
 }
 
+// one query's output sums a [8 dv] over keys j .. lim - 1 of its softmax weights p, in key order (fma)
+template <int dv>
+DFLASH_AVX2 inline void values_avx2(const float* p, const float* v, int64_t vs, int64_t j, int64_t lim, float* a) {
+  __m256 ov[dv];
+  for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_loadu_ps(a + 8 * c);
+  for (; j < lim; j++) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = v + j * vs;
+    for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), ov[c]);
+  }
+  for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(a + 8 * c, ov[c]);
+}
+
+// the tile's outputs: each query's sums over its z
+template <int dv>
+DFLASH_AVX2 inline void finish_avx2(int count, const float* acc, const float* z, float* const* out) {
+  for (int u = 0; u < count; u++) {
+    const __m256 zb = _mm256_set1_ps(z[u]);
+    for (int64_t c = 0; c < dv; c++)
+      _mm256_storeu_ps(out[u] + 8 * c, _mm256_div_ps(_mm256_loadu_ps(acc + u * 8 * dv + 8 * c), zb));
+  }
+}
+
 // count queries q[u] (n[u] keys each) against one kv head; buf [count, stride] scratch, acc [count, 8 dv + 1]
 template <int dv>
 DFLASH_AVX2 void tile_avx2(const float* const* q, const int64_t* n, int count, const float* k, int64_t ks,
@@ -204,26 +227,10 @@ DFLASH_AVX2 void tile_avx2(const float* const* q, const int64_t* n, int count, c
     for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(acc + u * 8 * dv + 8 * c, _mm256_setzero_ps());
   }
   for (int64_t jb = 0; jb < nmax; jb += KB) {  // output sums, a block of values for every query
-    for (int u = 0; u < count; u++) {
-      if (jb >= n[u]) continue;
-      const float* p = buf + u * stride;
-      float* a = acc + u * 8 * dv;
-      __m256 ov[dv];
-      for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_loadu_ps(a + 8 * c);
-      const int64_t lim = std::min(jb + KB, n[u]);
-      for (int64_t j = jb; j < lim; j++) {
-        const __m256 pj = _mm256_set1_ps(p[j]);
-        const float* vj = v + j * vs;
-        for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), ov[c]);
-      }
-      for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(a + 8 * c, ov[c]);
-    }
+    for (int u = 0; u < count; u++)
+      if (jb < n[u]) values_avx2<dv>(buf + u * stride, v, vs, jb, std::min(jb + KB, n[u]), acc + u * 8 * dv);
   }
-  for (int u = 0; u < count; u++) {
-    const __m256 zb = _mm256_set1_ps(z[u]);
-    for (int64_t c = 0; c < dv; c++)
-      _mm256_storeu_ps(out[u] + 8 * c, _mm256_div_ps(_mm256_loadu_ps(acc + u * 8 * dv + 8 * c), zb));
-  }
+  finish_avx2<dv>(count, acc, z, out);
 }
 
 // AVX-512: two queries in one zmm (lanes 0-7 query A, 8-15 query B), each key's 8 floats loaded into both
@@ -321,39 +328,14 @@ DFLASH_AVX512 void tile_avx512(const float* const* q, const int64_t* n, int coun
           _mm256_storeu_ps(ab + 8 * c, _mm512_extractf32x8_ps(ov[c], 1));
         }
       }
-      for (int w = 0; w < 2; w++) {  // the longer query's values past the shorter one's, in key order
-        const int64_t from = std::max(jb, both), lim = w == 0 ? la : lb;
-        if (from >= lim) continue;
-        const float* p = w == 0 ? pa : pb;
-        float* a = w == 0 ? aa : ab;
-        __m256 ov[dv];
-        for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_loadu_ps(a + 8 * c);
-        for (int64_t j = from; j < lim; j++) {
-          const __m256 pj = _mm256_set1_ps(p[j]);
-          const float* vj = v + j * vs;
-          for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), ov[c]);
-        }
-        for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(a + 8 * c, ov[c]);
-      }
+      // the longer query's values past the shorter one's, in key order
+      if (std::max(jb, both) < la) values_avx2<dv>(pa, v, vs, std::max(jb, both), la, aa);
+      if (std::max(jb, both) < lb) values_avx2<dv>(pb, v, vs, std::max(jb, both), lb, ab);
     }
-    if (u < count && jb < n[u]) {
-      const float* p = buf + u * stride;
-      float* a = acc + u * 8 * dv;
-      __m256 ov[dv];
-      for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_loadu_ps(a + 8 * c);
-      for (int64_t j = jb; j < std::min(jb + KB, n[u]); j++) {
-        const __m256 pj = _mm256_set1_ps(p[j]);
-        const float* vj = v + j * vs;
-        for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), ov[c]);
-      }
-      for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(a + 8 * c, ov[c]);
-    }
+    if (u < count && jb < n[u])
+      values_avx2<dv>(buf + u * stride, v, vs, jb, std::min(jb + KB, n[u]), acc + u * 8 * dv);
   }
-  for (int u = 0; u < count; u++) {
-    const __m256 zb = _mm256_set1_ps(z[u]);
-    for (int64_t c = 0; c < dv; c++)
-      _mm256_storeu_ps(out[u] + 8 * c, _mm256_div_ps(_mm256_loadu_ps(acc + u * 8 * dv + 8 * c), zb));
-  }
+  finish_avx2<dv>(count, acc, z, out);
 }
 #endif
 
