@@ -52,10 +52,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     carry = None  # the fallback's state at the end of the last reply (speculation was slower: stay off)
     adaptive = None
     if use_draft and use_adaptive(args.adaptive, args.block_size, sampler):
-        from .decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrate
+        from .decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrated
 
-        # seconds per cycle by block size, measured once
-        adaptive = AdaptiveBlockSize(calibrate(pipe.target, pipe.drafter), pipe.drafter.block_size)
+        # seconds per cycle by block size, measured once on this machine (kept in the cache)
+        adaptive = AdaptiveBlockSize(calibrated(pipe), pipe.drafter.block_size)
     interactive = sys.stdin.isatty()
     if interactive:
         try:

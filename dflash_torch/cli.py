@@ -167,9 +167,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
             controller = fallback = FallbackController()
         if use_adaptive(args.adaptive, args.block_size, sampler):
-            from .decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrate
+            from .decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrated
 
-            adaptive = AdaptiveBlockSize(calibrate(pipe.target, pipe.drafter), pipe.drafter.block_size)
+            adaptive = AdaptiveBlockSize(calibrated(pipe), pipe.drafter.block_size)
             controller = adaptive if fallback is None else WithFallback(fallback, adaptive)
     stats = Stats()
     detok = Detokenizer(pipe)

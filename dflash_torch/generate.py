@@ -212,11 +212,13 @@ def load(
     # Every target, not only those quantized above: it acts wherever a quantizer marked the layers
     # (exact_verify), and is a no-op on a float target. Before the CUDA-graph wrapper, on the layers.
     exact = exact_prefill(target)
+    loading.release_freed_memory()  # (each stage's freed buffers back before the next one's: a lower peak)
     if cuda_graphs:
         from .models.cudagraph import GraphedTarget
 
         target = GraphedTarget(target)
     tokenizer = loading.load_tokenizer(path)
+    loading.release_freed_memory()
     config = config.get("text_config") or config  # multimodal checkpoints: the language model's settings
     name = model or loading.DEFAULT_MODEL_NAME
     pipe = Pipeline(
@@ -229,19 +231,27 @@ def load(
         print(f"dflash: no drafter registered for {name}; running target-only", file=sys.stderr)
     if draft_spec is not None:
         draft_path = loading.resolve_model(str(draft_spec)) if not Path(draft_spec).is_dir() else Path(draft_spec)
-        drafter = load_drafter(draft_path, device=dev, dtype=dt)
+        # The drafter's layers quantized too: a draft pass reads its weights once per cycle, and its
+        # proposals only steer speed (the target verifies every token), so output stays the same.
+        if quantize in BLOCK_FORMATS:  # (CPU): blocks kept in the cache after the first load
+            from .decoding.drafter_blocks import load_in_blocks
+
+            drafter = load_in_blocks(draft_path, quantize, dev, dt)
+        else:
+            drafter = load_drafter(draft_path, device=dev, dtype=dt)
+            if quantizer is not None:
+                quantizer(drafter)
         if not draft_vocab:
             drafter.set_draft_vocab(None)
         if draft_window is not None:
             drafter.set_window(draft_window or None, draft_sinks)
-        if quantizer is not None:
-            # The drafter's layers too: a draft pass reads its weights once per cycle, and its proposals
-            # only steer speed (the target verifies every token), so output stays the same.
-            quantizer(drafter)
+        loading.release_freed_memory()
         drafter.fuse_context_kv()
+        drafter.draft_head(target.lm_head)  # built now, with the load's other transient buffers
         drafter.check_target(config, target.num_layers, target.config.vocab_size)
         registry.warn_if_other_target(drafter, name, config)
         pipe.drafter, pipe.draft_path = drafter, draft_path
+    loading.release_freed_memory()
     return pipe
 
 

@@ -207,6 +207,20 @@ def stored_types(config: dict) -> tuple[str | None, str | None]:
 # --- loading ------------------------------------------------------------------------------------
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's freed pages back to the system (glibc's malloc_trim; elsewhere nothing). Loading
+    frees many megabyte-sized buffers (float weights quantized, blocks repacked); glibc keeps such pages
+    for reuse, so they would count in the resident size for the whole run."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+        pass
+
+
 def pick_device(device: str = "auto") -> torch.device:
     """auto: cuda if available, else mps, else cpu."""
     if device == "auto":
@@ -249,26 +263,51 @@ def read_blocks(path: Path) -> dict[str, tuple[str, torch.Tensor]]:
     return {name: (fmt, raw) for name, fmt, raw in iter_blocks(path)}
 
 
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def iter_tensors(file: Path, skip: set = frozenset()):
+    """(name, tensor, the header's metadata) of a safetensors file one tensor at a time, each read with plain
+    file reads into a tensor of its own, not through a memory map: a mapped file's pages stay resident (and
+    counted) while any tensor viewing it lives, which held whole files in memory beside their converted
+    copies (blocks repacked, weights quantized). Names in `skip` are not read."""
+    size = Path(file).stat().st_size
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")  # the safetensors layout: header size, JSON header, data
+        try:
+            if not 0 < n <= size - 8:
+                raise ValueError(f"a header of {n} bytes")
+            header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("a header that is not a JSON object")
+        except ValueError as e:
+            raise ModelError(f"{file} is not a safetensors file ({e})") from None
+        metadata = header.pop("__metadata__", None) or {}
+        for name, info in header.items():
+            if name in skip:
+                continue
+            if info["dtype"] not in SAFETENSORS_DTYPES:
+                raise ModelError(f"{file}: {name} has dtype {info['dtype']}, which this loader does not read")
+            begin, end = info["data_offsets"]
+            t = torch.empty(info["shape"], dtype=SAFETENSORS_DTYPES[info["dtype"]])
+            if end - begin != t.numel() * t.element_size():
+                raise ModelError(f"{file}: {name} has {end - begin} bytes for shape {info['shape']}")
+            f.seek(8 + n + begin)
+            if t.numel():
+                f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B"))
+            yield name, t, metadata
+
+
 def iter_blocks(path: Path):
-    """(HF name, format, GGUF blocks) of `BLOCKS_FILE` one matrix at a time, each read with plain file reads
-    into a tensor of its own, not through a memory map: a mapped file's pages stay resident (and counted)
-    while any tensor viewing it lives, which held the whole file in memory beside the repacked copies."""
+    """(HF name, format, GGUF blocks) of `BLOCKS_FILE` one matrix at a time (`iter_tensors`)."""
     file = path / BLOCKS_FILE
     if not file.is_file():
         return
-    with open(file, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")  # the safetensors layout: header size, JSON header, data
-        header = json.loads(f.read(n))
-        formats = json.loads((header.pop("__metadata__", None) or {}).get("formats", "{}"))
-        for name, info in header.items():
-            if name not in formats or info["dtype"] != "U8":
-                continue
-            begin, end = info["data_offsets"]
-            raw = torch.empty(info["shape"], dtype=torch.uint8)
-            if end - begin != raw.numel():
-                raise ModelError(f"{file}: {name} has {end - begin} bytes for shape {info['shape']}")
-            f.seek(8 + n + begin)
-            f.readinto(memoryview(raw.numpy()).cast("B"))
+    for name, raw, metadata in iter_tensors(file):
+        formats = json.loads(metadata.get("formats", "{}"))
+        if name in formats and raw.dtype == torch.uint8:
             yield name, formats[name], raw
 
 
@@ -288,7 +327,9 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype,
         raise ModelError(
             f"model type {config.get('model_type')!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
         )
-    with torch.device("meta"):  # no random init of weights that are about to be replaced
+    from .models.layers import skeleton
+
+    with skeleton():  # no random init of weights that are about to be replaced
         model = family.from_config(config)
     state = family.map_state(read_state(path))
     original = None  # K-quants converted into blocks: their exact floats, from the GGUF file (when not kept)
@@ -381,6 +422,11 @@ def load_tokenizer(path: Path):
     has_tokenizer = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
     if not has_tokenizer:
         return None
+    from . import tokenizer
+
+    light = tokenizer.load(path)  # the generic fast tokenizer without transformers (tokenizer.py)
+    if light is not None:
+        return light
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))

@@ -24,7 +24,7 @@ import openai
 import pytest
 import torch
 
-from dflash_torch import cli
+from dflash_torch import cli, loading
 from dflash_torch.decoding.fallback import FallbackController
 from dflash_torch.decoding.speculative import generate_tokens
 from dflash_torch.generate import Pipeline, generate, load
@@ -1057,7 +1057,7 @@ def test_tool_calls(pipe, monkeypatch):
             r = post(**body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, body
     plain = dataclasses.replace(pipe)
-    plain.tokenizer = type(pipe.tokenizer).from_pretrained(str(pipe.model_path))
+    plain.tokenizer = loading.load_tokenizer(pipe.model_path)  # a copy of its own
     plain.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(ValueError, match="does not take tools"):
         plain.encode_messages(user, tools=[WEATHER])

@@ -148,12 +148,61 @@ def calibrate(target, drafter, sizes: tuple[int, ...] | None = None, context: in
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            if b > 1:
-                blk[0, 1:] = kernels.argmax(drafter.propose(target, blk, out.hidden[:, -new:], dcache)[0])
+            if b > 1:  # as a greedy cycle drafts (proposers.DrafterProposer): over the draft vocabulary's rows
+                vocab = getattr(drafter, "draft_vocab", None)
+                full = vocab is None or getattr(drafter, "select", None) is not None
+                kw = {} if full else {"full": False}
+                draft = kernels.argmax(drafter.propose(target, blk, out.hidden[:, -new:], dcache, **kw)[0])
+                blk[0, 1:] = draft if full else vocab[draft]
             logits = target(blk, cache, logits="all", taps=drafter.target_layer_ids).logits
             kernels.argmax(logits[0]).tolist()  # the loop's acceptance decision syncs here too
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         costs[b] = sorted(times[1:])[len(times[1:]) // 2]
+    return costs
+
+
+CALIBRATION_DAYS = 7  # a stored calibration older than this is measured again
+
+
+def calibrated(pipe) -> dict:
+    """`calibrate`'s costs for this pipeline on this machine, measured once and kept in the user cache:
+    `dflash generate` and `chat` start from them instead of spending a prefill and a dozen passes (and
+    their memory) at every start. They are only where the adaptive width starts; it updates them from
+    every cycle it runs. Keyed by what the costs depend on: the model, the drafter and their formats,
+    the CPU, the threads, torch and the kernels."""
+    import hashlib
+    import json
+    import os
+    import platform
+
+    from ..loading import cache_home
+
+    cpu = platform.processor()
+    try:
+        cpu = next(line for line in open("/proc/cpuinfo") if line.startswith("model name")).split(":", 1)[1].strip()
+    except (OSError, StopIteration):
+        pass
+    drafter = pipe.drafter
+    key = json.dumps([str(pipe.model_path), str(pipe.draft_path), pipe.quantize, pipe.lm_head, str(pipe.dtype),
+                      str(pipe.device), cpu, torch.get_num_threads(), torch.__version__, kernels.best_isa(),
+                      kernels.fingerprint() if kernels.ensure() == "compiled" else None,
+                      os.environ.get("ATEN_CPU_CAPABILITY"), getattr(drafter, "window", None),
+                      getattr(drafter, "draft_vocab", None) is None, drafter.block_size])
+    file = cache_home() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    try:
+        saved = json.loads(file.read_text())
+        if saved["key"] == key and time.time() - saved["time"] < CALIBRATION_DAYS * 86400:
+            return {int(b): float(t) for b, t in saved["costs"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    costs = calibrate(pipe.target, drafter)
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "time": time.time(), "costs": costs}) + "\n")
+        tmp.replace(file)
+    except OSError:  # a read-only cache: measured again next time
+        pass
     return costs

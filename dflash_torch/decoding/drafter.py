@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from ..models import flat, layers, quantize
@@ -534,10 +534,11 @@ class DFlashDrafter(nn.Module):
 
 
 def load_drafter(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, skip: set = frozenset()
 ) -> DFlashDrafter:
     """Load a drafter directory (config.json + *.safetensors) in a published format: the first DFlash
-    format, or DFlash2 (`architectures` ["DFlash2DraftModel"]: a `dflash2.DFlash2Drafter`)."""
+    format, or DFlash2 (`architectures` ["DFlash2DraftModel"]: a `dflash2.DFlash2Drafter`). `skip`:
+    checkpoint names not to read, left on the meta device for the caller to replace (drafter_blocks.py)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -557,17 +558,20 @@ def load_drafter(
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {path}")
-    for f in files:
-        state.update(load_file(str(f)))
+    from ..loading import iter_tensors
+
+    for f in files:  # read, not mapped (see iter_tensors)
+        state.update({name: t for name, t, _ in iter_tensors(f, skip={f"model.{k}" for k in skip} | set(skip))})
     state = cls.map_state({k.removeprefix("model."): v for k, v in state.items()})
-    with torch.device("meta"):
+    with layers.skeleton():
         drafter = cls(config)
     drafter.rotary = Rotary(
         rope_parameters(config), drafter.layers[0].self_attn.head_dim, config.get("max_position_embeddings", 4096)
     )
-    dtype = dtype or state["fc.weight"].dtype
+    dtype = dtype or next(t.dtype for k, t in state.items() if t.is_floating_point())
     state = {k: v.to(dtype) for k, v in state.items()}
     missing, unexpected = drafter.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if k not in skip]
     if missing:
         raise ValueError(f"drafter checkpoint {path} is missing weights: {sorted(missing)[:8]}")
     unexpected = [k for k in unexpected if not k.startswith(("embed_tokens", "lm_head", "rotary"))]
@@ -582,7 +586,7 @@ def load_drafter(
             drafter.set_draft_vocab(ids)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{vocab_file}: not a draft vocabulary ({e})") from None
-    return drafter.to(device).eval()
+    return (drafter if skip else drafter.to(device)).eval()  # (skipped: still on meta, for the caller)
 
 
 def num_params(module: nn.Module) -> int:

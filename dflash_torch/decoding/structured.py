@@ -159,8 +159,8 @@ def _lltokenizer(tokenizer, vocab_size: int, stops: list[int], token_bytes: Call
     from llguidance import LLTokenizer
     from llguidance.hf import from_tokenizer
 
-    try:
-        return from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stops)
+    try:  # (tokenizer.Tokenizer: transformers' own of the same files, which the library reads)
+        return from_tokenizer(getattr(tokenizer, "hf", tokenizer), n_vocab=vocab_size, eos_token=stops)
     except (ValueError, AttributeError):
         if token_bytes is None:
             raise

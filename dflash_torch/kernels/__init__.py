@@ -33,16 +33,37 @@ def _build_dir() -> Path:
     return path
 
 
+SOURCES = ("blocks.cpp", "attention.cpp", "norm.cpp", "argmax.cpp")
+# -ffp-contract=off: no multiply-add fused behind our back, so every path rounds each step as written;
+# -fopenmp: at::parallel_for then runs on PyTorch's own OpenMP threads (without it, on a slower path)
+CFLAGS, LDFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"], ["-fopenmp"]
+
+
+def fingerprint() -> str:
+    """What the build depends on: the sources, the flags, this torch and this Python."""
+    import hashlib
+
+    h = hashlib.sha256(f"{torch.__version__} {torch.__file__} {sys.version} {CFLAGS} {LDFLAGS}".encode())
+    for name in SOURCES:
+        h.update((Path(__file__).parent / name).read_bytes())
+    return h.hexdigest()
+
+
 def _compile() -> None:
+    build = _build_dir()
+    library, stamp = build / "dflash_blocks.so", build / "sources.sha256"
+    built_from = fingerprint()
+    if library.is_file() and stamp.is_file() and stamp.read_text().strip() == built_from:
+        # built from these very sources: load it without torch.utils.cpp_extension (and the setuptools it
+        # imports: ~5 MB resident for every run)
+        torch.ops.load_library(str(library))
+        return
     from torch.utils import cpp_extension
 
-    here = Path(__file__).parent
-    sources = [str(here / name) for name in ("blocks.cpp", "attention.cpp", "norm.cpp", "argmax.cpp")]
-    # -ffp-contract=off: no multiply-add fused behind our back, so every path rounds each step as written;
-    # -fopenmp: at::parallel_for then runs on PyTorch's own OpenMP threads (without it, on a slower path)
-    cpp_extension.load(name="dflash_blocks", sources=sources, build_directory=str(_build_dir()),
-                       extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
+    sources = [str(Path(__file__).parent / name) for name in SOURCES]
+    cpp_extension.load(name="dflash_blocks", sources=sources, build_directory=str(build), extra_cflags=CFLAGS,
+                       extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
+    stamp.write_text(built_from + "\n")
 
 
 def _register_reference() -> None:

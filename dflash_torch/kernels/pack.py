@@ -37,8 +37,12 @@ def quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
     n, k = w.shape
     if k % QK:
         raise ValueError(f"{fmt} needs in_features divisible by {QK}, got {k}")
-    raw = quants.quantize(w.detach().float().cpu().numpy(), gguf_type(fmt))  # [N, nb * bs]
-    return torch.from_numpy(np.ascontiguousarray(raw)).view(torch.uint8).reshape(n, -1)
+    w = w.detach().cpu()
+    raw = np.empty((n, k // QK * block_bytes(fmt)), dtype=np.uint8)  # [N, nb * bs]
+    for r in range(0, n, 128):  # each block is its row's own: a few rows at a time bound the temporaries
+        rows = w[r:r + 128].float().numpy()
+        raw[r:r + 128] = quants.quantize(rows, gguf_type(fmt)).reshape(-1, raw.shape[1])
+    return torch.from_numpy(raw)
 
 
 def pack(raw: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -47,6 +51,17 @@ def pack(raw: torch.Tensor, fmt: str) -> torch.Tensor:
     4 (chunk j of column c at byte 32 j + 4 c), so that one 32-byte load holds 4 values of each column.
     Only bytes move: no value changes. Rows past N are zero blocks (scale 0), so padded columns compute
     0 and are never returned."""
+    step = 64 * GROUP  # groups are packed apart: a few at a time bound the temporaries (a head: 30 MB each)
+    if raw.shape[0] <= step:
+        return _pack(raw, fmt)
+    out = torch.empty(-(-raw.shape[0] // GROUP) * GROUP * raw.shape[1], dtype=torch.uint8)  # a record: 8 blocks
+    for r in range(0, raw.shape[0], step):
+        part = _pack(raw[r:r + step], fmt)
+        out[r * raw.shape[1]:r * raw.shape[1] + part.numel()] = part
+    return out
+
+
+def _pack(raw: torch.Tensor, fmt: str) -> torch.Tensor:
     bs, hb = block_bytes(fmt), HEADER[fmt]
     n = raw.shape[0]
     nb = raw.shape[1] // bs

@@ -147,6 +147,11 @@ def script(layers: nn.Module) -> nn.Module:
     from .. import kernels
 
     kernels.ensure()  # the graph names torch.ops.dflash.* (the block kernels' branches): they must exist
+    # The graph executor's optimizing passes (profiling, specialization, unrolling) buy no time here:
+    # the graphs are a few hundred calls of our kernels and aten ops, run as written (same bits, and the
+    # same speed measured in alternation), while their specialized copies kept ~25 MB resident for the
+    # target's and the drafter's plans. Read when a graph first runs; this process has no other graphs.
+    torch._C._set_graph_executor_optimize(False)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.jit.script is deprecated in favour of torch.compile

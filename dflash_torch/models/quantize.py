@@ -144,7 +144,11 @@ class BlockLinear(nn.Module):
     def rows(self, index: torch.Tensor) -> BlockLinear:
         """A layer of the output rows `index` only, with their blocks as they are (no requantization)."""
         bias = None if self.bias is None else self.bias[index]
-        return BlockLinear(None, self.fmt, self.raw()[index.cpu()], bias)
+        index = index.cpu()
+        # a few rows at a time: never the whole layer's blocks unpacked at once (an LM head's: 30 MB)
+        raw = torch.cat([pack.unpack_rows(self.packed, self.fmt, self.out_features, self.in_features, part)
+                         for part in index.split(512)])
+        return BlockLinear(None, self.fmt, raw, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -227,6 +231,8 @@ def _concat(parts: list[nn.Linear]) -> nn.Linear:
     first = parts[0]
     out = Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
                     device=first.weight.device, dtype=first.weight.dtype)
+    if first.weight.is_meta:  # shapes only, for blocks to replace (drafter_blocks.py); no meta arithmetic
+        return out.requires_grad_(False)
     with torch.no_grad():
         out.weight.copy_(torch.cat([p.weight for p in parts]))
         if first.bias is not None:

@@ -24,8 +24,11 @@ def rope_parameters(config: dict) -> dict:
 def inv_freq(params: dict, rotary_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [rotary_dim // 2] and the attention scaling factor for cos/sin."""
     base = float(params["rope_theta"])
+    # on the CPU, whatever the default device: under a meta skeleton (layers.skeleton) these few values are
+    # real already, and arithmetic on meta tensors would import torch._dynamo and sympy (70 MB resident)
+    cpu = torch.device("cpu")
     kind = params.get("rope_type", "default")
-    freqs = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    freqs = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=cpu) / rotary_dim))
     scale = 1.0
     if kind in ("default", None):
         pass
@@ -56,7 +59,7 @@ def inv_freq(params: dict, rotary_dim: int, max_position_embeddings: int) -> tup
         high = min(math.ceil(correction_dim(beta_slow)), rotary_dim - 1)
         if low == high:
             high += 0.001
-        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64, device=cpu) - low) / (high - low)).clamp(0, 1)
         extrapolation = 1 - ramp
         freqs = (freqs / factor) * (1 - extrapolation) + freqs * extrapolation
     else:
