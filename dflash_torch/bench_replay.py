@@ -92,15 +92,20 @@ def running_server(pipe, **config) -> Iterator[str]:
         thread.join(10)
 
 
-def chat_turn(base: str, messages: list[dict], max_tokens: int, sampling: dict) -> dict:
-    """One streamed chat completion: its text, TTFT and decode tok/s (client side), and the usage."""
+def chat_turn(base: str, messages: list[dict], max_tokens: int, sampling: dict, client=None) -> dict:
+    """One streamed chat completion: its text, TTFT and decode tok/s (client side), and the usage. `client`:
+    an httpx.Client kept across turns, as chat clients keep theirs (a new one costs ~50 ms of TLS set-up
+    before the request even leaves, which would be counted in the TTFT); None: one for this call."""
     import httpx
 
+    if client is None:
+        with httpx.Client(timeout=None) as client:
+            return chat_turn(base, messages, max_tokens, sampling, client)
     body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, **sampling}
     text, usage, first = [], None, None
     t0 = time.perf_counter()
-    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=None) as r:
+    with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"the server answered {r.status_code}: {r.read().decode(errors='replace')[:300]}")
         for line in r.iter_lines():
@@ -126,8 +131,11 @@ def _tok_s(tokens: int, seconds: float) -> float | None:
     return round((tokens - 1) / seconds, 2) if tokens > 1 and seconds > 0 else None
 
 
-def replay_ours(pipe, conv: dict, max_tokens: int, base: str, sampling: dict, log) -> tuple[list[dict], str | None]:
-    """([one record per turn], why it stopped early or None) of one conversation through the server."""
+def replay_ours(pipe, conv: dict, max_tokens: int, base: str, sampling: dict, log, cold: str | None = None,
+                client=None) -> tuple[list[dict], str | None]:
+    """([one record per turn], why it stopped early or None) of one conversation through the server.
+    `cold`: a second server of the same pipeline without a prefix cache, whose TTFT for the same request
+    (its first token only) is the cold prefill of the same context, timed the same way."""
     from .generate import generate
 
     messages, turns = [], []
@@ -141,13 +149,16 @@ def replay_ours(pipe, conv: dict, max_tokens: int, base: str, sampling: dict, lo
                    f"{pipe.max_context}")
             log(f"{conv['id']}: stopped at {why}")
             return turns, why
-        got = chat_turn(base, messages, max_tokens, sampling)
+        got = chat_turn(base, messages, max_tokens, sampling, client)
         ref = generate(pipe, ids, max_tokens, use_draft=False)  # target-only, cold prefill
+        cold_s = chat_turn(cold, messages, 1, sampling, client)["ttft_s"] if cold else None
         turns.append({
             "turn": len(turns) + 1, "prompt_tokens": got["prompt_tokens"], "cached_tokens": got["cached_tokens"],
             "ttft_s": round(got["ttft_s"], 5), "decode_tok_s": _tok_s(got["completion_tokens"], got["decode_s"]),
             "completion_tokens": got["completion_tokens"],
             "target_only_ttft_s": round(ref.stats.prefill_s, 5),
+            "cold_ttft_s": None if cold_s is None else round(cold_s, 5),
+            "ttft_over_cold": None if not cold_s else round(got["ttft_s"] / cold_s, 4),
             "output_matches_target_only": got["text"] == ref.text if sampling["temperature"] == 0 else None,
         })
         messages.append({"role": "assistant", "content": got["text"]})
@@ -213,10 +224,15 @@ def cmd_replay(args) -> int:
                      "peers": peers, "peers_skipped": {}},
         "conversations": [],
     }
-    with running_server(pipe, **config) as base:
-        chat_turn(base, [{"role": "user", "content": "Hi"}], 8, sampling)  # warm-up, not counted
+    import httpx
+
+    # beside it, the same server without a prefix cache: the cold prefill of each turn's context, timed alike
+    with running_server(pipe, **config) as base, running_server(pipe, **config, prefix_cache_max_entries=0) as cold, \
+            httpx.Client(timeout=None) as client:
+        for url in (base, cold):
+            chat_turn(url, [{"role": "user", "content": "Hi"}], 8, sampling, client)  # warm-up, not counted
         for conv in convs:
-            turns, why = replay_ours(pipe, conv, max_tokens, base, sampling, log)
+            turns, why = replay_ours(pipe, conv, max_tokens, base, sampling, log, cold, client)
             results["conversations"].append({"id": conv["id"], "turns": turns, "stopped": why})
             log(f"{conv['id']}: {len(turns)} turns")
     if "llamacpp" in peers:
@@ -244,8 +260,9 @@ def cmd_replay(args) -> int:
 def replay_table(results: dict) -> str:
     """A markdown table: one line per conversation turn (llama.cpp's columns when it ran)."""
     lc = any("llamacpp_turns" in c for c in results["conversations"])
-    header = ["Conversation", "Turn", "Prompt", "Cached", "TTFT ms", "Decode tok/s", "Target-only TTFT ms",
-              "Output = target-only"] + (["llama.cpp reused", "llama.cpp TTFT ms", "llama.cpp tok/s"] if lc else [])
+    header = ["Conversation", "Turn", "Prompt", "Cached", "TTFT ms", "Cold TTFT ms", "TTFT / cold", "Decode tok/s",
+              "Target-only TTFT ms", "Output = target-only"]
+    header += ["llama.cpp reused", "llama.cpp TTFT ms", "llama.cpp tok/s"] if lc else []
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "--:" for i in range(len(header)))
              + "|"]
@@ -254,7 +271,8 @@ def replay_table(results: dict) -> str:
         for t in c["turns"]:
             match = {True: "yes", False: "no", None: "-"}[t["output_matches_target_only"]]
             cells = [c["id"], str(t["turn"]), str(t["prompt_tokens"]), str(t["cached_tokens"]),
-                     fmt(1000 * t["ttft_s"], ".0f"), fmt(t["decode_tok_s"], ".1f"),
+                     fmt(1000 * t["ttft_s"], ".0f"), fmt(t.get("cold_ttft_s") and 1000 * t["cold_ttft_s"], ".0f"),
+                     fmt(t.get("ttft_over_cold"), ".1%"), fmt(t["decode_tok_s"], ".1f"),
                      fmt(1000 * t["target_only_ttft_s"], ".0f"), match]
             if lc:
                 p = peer.get(t["turn"])
