@@ -7,7 +7,8 @@ model.safetensors (every other tensor, dequantized to float32).
 
 Tensor names come from gguf's own name maps (`gguf.get_tensor_name_map`) applied to the keys of
 transformers' model of the family, which is how transformers' GGUF loader pairs them, so the engine
-and that loader read the same tensor into the same weight.
+and that loader read the same tensor into the same weight. Gemma 4's and Qwen3.5's layouts (their
+metadata, the tensors llama.cpp's converter renames or transforms) are in `gguf_families`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import loading
+from . import gguf_families, loading
 from .loading import ModelError
 
 # GGUF architecture -> (HF model_type, HF class): the engine's families (models/) whose GGUF layout both
@@ -33,6 +34,10 @@ ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "gemma4": ("gemma4_text", "Gemma4ForCausalLM"),
+    # (transformers' GGUF loader has no Qwen3.5; its model classes name the tensors all the same)
+    "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+    "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
 }
 # llama.cpp's converter interleaves q/k rows for its rotary layout only for these (its LlamaModel);
 # Qwen and Gemma files keep HF's order (llama.cpp runs them with NeoX-style rotary).
@@ -111,6 +116,10 @@ def _config(reader, path: Path) -> dict:
                        "num_experts": field("expert_count"), "num_experts_per_tok": field("expert_used_count"),
                        # transformers' GGUF default; llama.cpp's qwen3moe graph normalizes the top-k weights
                        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []})
+    if arch == "gemma4":
+        config = gguf_families.gemma4_config(field, reader, config)
+    if arch in gguf_families.QWEN35:
+        config = gguf_families.qwen35_config(field, config, arch)
     if arch == "gemma3":
         # llama.cpp fixes these in code, not in the file: 5 sliding layers then a global one, local rotary
         # base 10,000 (unless the file names one), attention scale 1/sqrt(head_dim) (the 27B model, 62
@@ -142,7 +151,8 @@ def _config(reader, path: Path) -> dict:
 def hf_names(reader, config: dict) -> dict[str, str]:
     """{GGUF tensor name: HF checkpoint key} for the tensors the engine reads: each key of transformers'
     model of the family (built on the meta device, no weights) through gguf's name map, as transformers'
-    GGUF loader pairs them. A MoE layer's fused `mlp.experts.gate_up_proj` takes two tensors (gate, up)."""
+    GGUF loader pairs them, but for the names llama.cpp's converter gives in code (`gguf_families.SPECIAL_NAMES`).
+    A MoE layer's fused `mlp.experts.gate_up_proj` takes two tensors (gate, up)."""
     import gguf
     import transformers
 
@@ -156,15 +166,22 @@ def hf_names(reader, config: dict) -> dict[str, str]:
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
     names = {}
     for key in model.state_dict():
+        parts = key.split(".")
+        special = gguf_families.SPECIAL_NAMES.get(".".join(parts[3:])) if key.startswith("model.layers.") else None
+        if special is not None:
+            names[f"blk.{parts[2]}.{special}"] = key
+            continue
+        if key.endswith("mlp.experts.gate_up_proj"):
+            # llama.cpp writes gate and up apart (qwen35moe's name map also names a fused stack, which its
+            # converter writes only when told to: not read here)
+            names[f"blk.{parts[2]}.ffn_gate_exps.weight"] = names[f"blk.{parts[2]}.ffn_up_exps.weight"] = key
+            continue
         base, dot, suffix = key.rpartition(".")
         if suffix not in ("weight", "bias"):  # 3-D expert tensors are parameters without a suffix
             base, suffix = key, "weight"
         gguf_name = name_map.get_name(base)
         if gguf_name is not None:
             names[f"{gguf_name}.{suffix}"] = key
-        elif key.endswith("mlp.experts.gate_up_proj"):
-            layer = key.split(".")[2]
-            names[f"blk.{layer}.ffn_gate_exps.weight"] = names[f"blk.{layer}.ffn_up_exps.weight"] = key
     return names
 
 
@@ -173,10 +190,14 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _rows_as_hf(w: torch.Tensor, hf: str, heads: int, kv_heads: int, arch: str = "llama") -> torch.Tensor:
-    """A GGUF matrix's rows in HF's order: q and k rows are interleaved for llama.cpp's rotary layout in
-    the architectures it permutes (`_PERMUTED`). Works on float rows and on rows of blocks alike (a block
-    never spans two rows)."""
+def _rows_as_hf(w: torch.Tensor, hf: str, heads: int, kv_heads: int, arch: str = "llama", gguf_name: str = "",
+                config: dict | None = None, block_bytes: int = 0) -> torch.Tensor:
+    """A GGUF tensor in HF's layout: q and k rows are interleaved for llama.cpp's rotary layout in the
+    architectures it permutes (`_PERMUTED`); Gemma 4's and Qwen3.5's own transformations are undone by
+    `gguf_families.to_hf`. Works on float rows and on rows of blocks (`block_bytes`: their block size) alike
+    (a block never spans two rows)."""
+    if arch in gguf_families.QWEN35 or arch == "gemma4":
+        return gguf_families.to_hf(arch, gguf_name, w, config or {}, block_bytes)
     if arch not in _PERMUTED:
         return w
     if hf.endswith("self_attn.q_proj.weight"):
@@ -192,21 +213,22 @@ def _rows_as_hf(w: torch.Tensor, hf: str, heads: int, kv_heads: int, arch: str =
 CONVERTED = {"Q4_K": "q4_1", "Q5_K": "q8_0", "Q6_K": "q8_0"}
 
 
-def _block_format(t, hf: str | None) -> str | None:
+def _block_format(t, hf: str | None, arch: str = "", config: dict | None = None) -> str | None:
     """The block format a matrix is kept in (its own, or `CONVERTED`'s), None for tensors kept in float: 1-D
-    ones, 3-D expert stacks, other types."""
+    ones, 3-D expert stacks, other types, and those `gguf_families.keeps_blocks` leaves out."""
     from .kernels import pack
 
-    if hf is None or len(t.shape) != 2:
+    if hf is None or len(t.shape) != 2 or not gguf_families.keeps_blocks(arch, t.name, config or {}):
         return None
     name = t.tensor_type.name
     return name.lower() if name.lower() in pack.FORMATS else CONVERTED.get(name)
 
 
-def converted_types(reader, names: dict[str, str]) -> dict[str, str]:
+def converted_types(reader, names: dict[str, str], config: dict | None = None) -> dict[str, str]:
     """{GGUF type: the block format `_save_blocks` converts it to} for the file's converted matrices."""
+    arch = _arch(reader)
     return {t.tensor_type.name: CONVERTED[t.tensor_type.name] for t in reader.tensors
-            if t.tensor_type.name in CONVERTED and _block_format(t, names.get(t.name))}
+            if t.tensor_type.name in CONVERTED and _block_format(t, names.get(t.name), arch, config)}
 
 
 def original_matrices(path: Path):
@@ -232,21 +254,22 @@ def original_matrices(path: Path):
         if t is None:
             return None
         w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-        return _rows_as_hf(w, name, heads, kv_heads, arch).contiguous()
+        return _rows_as_hf(w, name, heads, kv_heads, arch, t.name, config).contiguous()
 
     return get
 
 
-def gguf_group_types(reader, names: dict[str, str]) -> dict[str, str]:
+def gguf_group_types(reader, names: dict[str, str], config: dict | None = None) -> dict[str, str]:
     """{group of matrices: the GGUF type(s) the file stores it in ("Q4_1", or "Q4_K/Q6_K" when mixed)};
     a tied LM head is stored as the token embedding. `names`: `hf_names` of the file."""
+    arch = _arch(reader)
     found: dict[str, set[str]] = {}
     for t in reader.tensors:
         hf = names.get(t.name)
         group = loading._group(hf) if hf else None
         if group is not None:
             kind = t.tensor_type.name
-            if kind in CONVERTED and _block_format(t, hf):
+            if kind in CONVERTED and _block_format(t, hf, arch, config):
                 kind = f"{kind} -> {CONVERTED[kind]} (converted)"
             found.setdefault(group, set()).add(kind)
     if "LM head" not in found and "token embedding" in found:
@@ -279,15 +302,15 @@ def _float_state(reader, config: dict, names: dict[str, str]) -> dict[str, torch
     state, experts = {}, {}
     for t in tqdm(reader.tensors, desc="reading", unit="tensor", file=sys.stderr):
         hf = names.get(t.name)
-        if hf is None or _block_format(t, hf):
+        if hf is None or _block_format(t, hf, arch, config):
             continue
         w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
         if arch in _NORM_PLUS_ONE and t.name.endswith("norm.weight"):
             w = w - 1
-        if hf.endswith("mlp.experts.gate_up_proj"):  # [E, I, H] gate and up -> [E, 2I, H], gate first
+        if t.name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):  # [E, I, H] gate, up -> [E, 2I, H]
             experts.setdefault(hf, {})["up" if "ffn_up_exps" in t.name else "gate"] = w
             continue
-        state[hf] = _rows_as_hf(w, hf, heads, kv_heads, arch).contiguous()
+        state[hf] = _rows_as_hf(w, hf, heads, kv_heads, arch, t.name, config).contiguous()
     for hf, parts in experts.items():
         state[hf] = torch.cat([parts["gate"], parts["up"]], dim=1).contiguous()
     return state
@@ -309,15 +332,15 @@ def _save_blocks(reader, config: dict, out: Path, names: dict[str, str]) -> None
     blocks, formats = {}, {}
     for t in reader.tensors:
         hf = names.get(t.name)
-        fmt = _block_format(t, hf)
+        fmt = _block_format(t, hf, arch, config)
         if fmt is None:
             continue
         if t.tensor_type.name in CONVERTED:
             w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-            raw = pack.quantize(_rows_as_hf(w, hf, heads, kv_heads, arch), fmt)
+            raw = pack.quantize(_rows_as_hf(w, hf, heads, kv_heads, arch, t.name, config), fmt)
         else:
             raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # out of the memmap
-            raw = _rows_as_hf(raw, hf, heads, kv_heads, arch)
+            raw = _rows_as_hf(raw, hf, heads, kv_heads, arch, t.name, config, pack.block_bytes(fmt))
         blocks[hf], formats[hf] = raw.contiguous(), fmt
     save_file(blocks, str(out), metadata={"formats": json.dumps(formats)})
 
@@ -342,9 +365,9 @@ def convert_gguf(path: Path) -> Path:
             reader = gguf.GGUFReader(str(path))
             names = hf_names(reader, config)
             config["gguf_weight_types"] = gguf_weight_types(reader)
-            config["gguf_group_types"] = gguf_group_types(reader, names)
-            if converted_types(reader, names):
-                config["gguf_converted"] = converted_types(reader, names)
+            config["gguf_group_types"] = gguf_group_types(reader, names, config)
+            if converted_types(reader, names, config):
+                config["gguf_converted"] = converted_types(reader, names, config)
             _save_blocks(reader, config, out / blocks_file, names)
             (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _drop_float_copies(out)
@@ -360,9 +383,9 @@ def convert_gguf(path: Path) -> Path:
     print(f"dflash: converting {path.name} to {out} (once; later runs reuse it)", file=sys.stderr)
     names = hf_names(reader, config)
     config["gguf_weight_types"] = gguf_weight_types(reader)
-    config["gguf_group_types"] = gguf_group_types(reader, names)
-    if converted_types(reader, names):  # (only then: a file of block formats keeps its config as before)
-        config["gguf_converted"] = converted_types(reader, names)
+    config["gguf_group_types"] = gguf_group_types(reader, names, config)
+    if converted_types(reader, names, config):  # (only then: a file of block formats keeps its config as before)
+        config["gguf_converted"] = converted_types(reader, names, config)
     state = _float_state(reader, config, names)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -372,13 +395,25 @@ def convert_gguf(path: Path) -> Path:
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {"eos_token_id": config["eos_token_id"], "bos_token_id": config["bos_token_id"]}
     (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok.save_pretrained(str(tmp))
+    _tokenizer(path, config["model_type"]).save_pretrained(str(tmp))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def _tokenizer(path: Path, model_type: str):
+    """transformers' tokenizer of the file. AutoTokenizer(gguf_file=) first builds the model's config with
+    transformers' GGUF config reader, which knows no Qwen3.5 and fails on Gemma 4's per-layer arrays; for
+    those the tokenizer class it would pick for the model type is built from the file directly, as
+    AutoTokenizer then does."""
+    import transformers
+
+    if model_type not in ("gemma4_text", "qwen3_5_text", "qwen3_5_moe_text"):
+        return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    cls = tokenizer_class_from_name(TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend")
+    return cls.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def _drop_float_copies(out: Path) -> None:

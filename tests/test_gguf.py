@@ -272,7 +272,7 @@ def test_gguf_unsupported_family_and_type_say_so(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
     _minimal(tmp_path / "phi.gguf", "phi3")  # transformers and gguf know it; the engine has no Phi family
     with pytest.raises(loading.ModelError, match=r"GGUF architecture 'phi3' is not supported \(supported: llama, "
-                                                 r"qwen2, qwen3, qwen3moe, gemma3\)"):
+                                                 r"qwen2, qwen3, qwen3moe, gemma3, gemma4, qwen35, qwen35moe\)"):
         loading.resolve_model(str(tmp_path / "phi.gguf"))
     _minimal(tmp_path / "q81.gguf", "llama", "Q8_1")  # a type llama.cpp uses only for activations
     with pytest.raises(loading.ModelError, match=r"GGUF tensor type\(s\) Q8_1 not supported \(supported: F32, F16, "

@@ -1,0 +1,392 @@
+"""GGUF files of Gemma 4 (`gemma4`) and the Qwen3.5 hybrid (`qwen35`, `qwen35moe`) in every storage type the
+other families are checked in.
+
+Each file is written here from a tiny random transformers model the way llama.cpp's converter
+(convert_hf_to_gguf.py: Gemma4Model, Qwen3_5TextModel, Qwen3_5MoeTextModel) writes one:
+
+* Gemma 4: norms as they are, the layer pattern as a per-layer boolean `sliding_window_pattern`, global and
+  sliding head sizes as key_length / key_length_swa, per-layer KV head counts (global layers have their own
+  with values from the key projection), per-layer feed-forward lengths (the KV-shared layers' double-wide
+  MLP), the global layers' partial rotary as the `rope_freqs` tensor, `layer_scalar` as
+  `layer_output_scale.weight`.
+* Qwen3.5: RMSNorms but the Gated DeltaNet output norm as 1 + w, A_log as -exp(A_log), dt_bias as
+  `ssm_dt.bias`, the conv1d weight squeezed to [C, K], value heads of the linear-attention tensors reordered
+  from grouped by key head to tiled (fewer key than value heads here), the Gated DeltaNet sizes as ssm.*
+  keys and the layer pattern as full_attention_interval; MoE experts as gate / up / down stacks.
+
+transformers reads Gemma 4 GGUF files (compared against as tests/test_gguf.py does), but not Qwen3.5 ones:
+a Qwen3.5 file is compared against the HF directory of the very model it was written from (transformers'
+model and the engine's), whose weights are first rounded to the file's storage type, so both hold the same
+values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_torch.decoding.speculative import generate_tokens
+
+from .test_gguf import BASE, IDS, TYPES, _quantized_activations, _tokenizer
+
+GEMMA4 = dict(num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=4, final_logit_softcapping=30.0,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+              num_kv_shared_layers=2, use_double_wide_mlp=True, attention_k_eq_v=True, num_global_key_value_heads=1,
+              hidden_size_per_layer_input=32, vocab_size_per_layer_input=BASE["vocab_size"], tie_word_embeddings=True)
+# 4 key / 8 value heads... scaled down: 2 key heads, 4 value heads (reordered), value heads of 32 (whole blocks)
+QWEN35 = dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=32, linear_conv_kernel_dim=4, tie_word_embeddings=False)
+QWEN35_MOE = dict(QWEN35, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=32)
+FAMILIES = {"gemma4": ("Gemma4TextConfig", GEMMA4), "qwen35": ("Qwen3_5TextConfig", QWEN35),
+            "qwen35moe": ("Qwen3_5MoeTextConfig", QWEN35_MOE)}
+
+
+def _model(arch: str, seed: int = 0):
+    import transformers
+
+    cls, settings = FAMILIES[arch]
+    config = getattr(transformers, cls)(**{**BASE, **settings})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # norms, biases, scalars away from their init values, so a mix-up shows
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if p.ndim == 1 and p.is_floating_point() and "rotary" not in name:
+                p.add_(torch.randn_like(p) * 0.2)
+        model.lm_head.weight.mul_(4)  # logits far apart: greedy text is not one repeated token
+    return model
+
+
+def _tiled(w: np.ndarray, dim: int, k_heads: int, per_k: int, unit: int) -> np.ndarray:
+    # llama.cpp's _reorder_v_heads: HF's value heads grouped by key head -> tiled
+    shape = list(w.shape)
+    w = w.reshape(*shape[:dim], k_heads, per_k, unit, *shape[dim + 1:])
+    return np.ascontiguousarray(np.swapaxes(w, dim, dim + 1)).reshape(shape)
+
+
+def _qwen35_tensor(key: str, a: np.ndarray, c) -> np.ndarray:
+    """One Qwen3.5 tensor as llama.cpp's converter writes it (Qwen3NextModel, _LinearAttentionVReorderBase)."""
+    k, per_k = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+    if key.endswith(".A_log"):
+        a = -np.exp(a)
+    elif "conv1d" in key:
+        a = a.squeeze(1)
+    elif key.endswith("norm.weight") and not key.endswith("linear_attn.norm.weight"):
+        a = a + 1
+    if "linear_attn." in key and per_k > 1:
+        if ".in_proj_qkv." in key or ".conv1d" in key:
+            a = np.concatenate([a[: 2 * k * dk], _tiled(a[2 * k * dk:], 0, k, per_k, dv)])
+        elif ".in_proj_z." in key:
+            a = _tiled(a, 0, k, per_k, dv)
+        elif ".in_proj_a." in key or ".in_proj_b." in key or key.endswith((".A_log", ".dt_bias")):
+            a = _tiled(a, 0, k, per_k, 1)
+        elif ".out_proj." in key:
+            a = _tiled(a, 1, k, per_k, dv)
+    return a
+
+
+def _gguf_name(arch: str, key: str, name_map) -> str:
+    parts = key.split(".")
+    if key.endswith("linear_attn.dt_bias"):
+        return f"blk.{parts[2]}.ssm_dt.bias"
+    if key.endswith("linear_attn.A_log"):
+        return f"blk.{parts[2]}.ssm_a"  # (llama.cpp's map finds no suffix to keep)
+    base, _, suffix = key.rpartition(".")
+    if suffix not in ("weight", "bias"):  # layer_scalar: Gemma4Model.filter_tensors adds ".weight"
+        base, suffix = key, "weight"
+    return f"{name_map.get_name(base)}.{suffix}"
+
+
+def _stored(name: str, a: np.ndarray, qtype: str) -> str:
+    """The type llama.cpp stores a tensor in for a file of `qtype`: 1-D tensors, the conv kernel (rows of 4)
+    and the MoE router in F32, the rest in `qtype`."""
+    if a.ndim == 1 or qtype == "F32" or "ssm_conv1d" in name or name.endswith("ffn_gate_inp.weight"):
+        return "F32"
+    return qtype
+
+
+def _round_to_file(model, arch: str, qtype: str) -> None:
+    """Round the model's weights, in place, to what a file of `qtype` stores (F16, or a block format's
+    dequantized values): each such row is quantized alike in HF's layout and the file's (llama.cpp's
+    transformations move whole rows, or for ssm_out whole 32-column blocks), so the HF directory of the
+    rounded model holds the file's values."""
+    import gguf
+
+    if qtype == "F32":
+        return
+    name_map = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), 99)
+    with torch.no_grad():
+        for key, t in model.state_dict().items():
+            a = t.float().numpy()
+            if key.endswith("gate_up_proj"):
+                name = "x.ffn_gate_exps.weight"
+            else:
+                name = _gguf_name(arch, key, name_map)
+            if _stored(name, _qwen35_tensor(key, a, model.config), qtype) == "F32":
+                continue
+            if qtype == "F16":
+                t.copy_(t.half().float())
+            else:
+                kind = gguf.GGMLQuantizationType[qtype]
+                t.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, kind), kind)))
+
+
+def write_gguf(arch: str, qtype: str, path, model) -> None:
+    """`model` (a tiny Gemma 4 or Qwen3.5 transformers model) written to `path` as llama.cpp would, its
+    tensors in `qtype` (`_stored`)."""
+    import gguf
+
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    # newer llama.cpp appends Qwen3.5's multi-token-prediction layer as one more block (written for the dense
+    # model here: the engine does not use it and must not count it)
+    mtp = arch == "qwen35"
+    w.add_block_count(c.num_hidden_layers + mtp)
+    if mtp:
+        w.add_nextn_predict_layers(1)
+    w.add_head_count(c.num_attention_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch == "gemma4":
+        g = {**BASE, **GEMMA4}  # (per-layer sizes: Gemma 4's config does not give them globally)
+        swa = [t == "sliding_attention" for t in c.layer_types]
+        first_shared = c.num_hidden_layers - c.num_kv_shared_layers
+        w.add_feed_forward_length([g["intermediate_size"] * (1 if i < first_shared else 2)
+                                   for i in range(c.num_hidden_layers)])
+        w.add_head_count_kv([g["num_key_value_heads"] if s else g["num_global_key_value_heads"] for s in swa])
+        full, sliding = c.rope_parameters["full_attention"], c.rope_parameters["sliding_attention"]
+        w.add_rope_freq_base(full["rope_theta"])
+        w.add_rope_freq_base_swa(sliding["rope_theta"])
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+        w.add_sliding_window(c.sliding_window)
+        w.add_shared_kv_layers(c.num_kv_shared_layers)
+        w.add_embedding_length_per_layer_input(c.hidden_size_per_layer_input)
+        w.add_sliding_window_pattern(swa)
+        global_head_dim = g["global_head_dim"]
+        w.add_key_length(global_head_dim)
+        w.add_value_length(global_head_dim)
+        w.add_key_length_swa(g["head_dim"])
+        w.add_value_length_swa(g["head_dim"])
+        w.add_rope_dimension_count(global_head_dim)
+        w.add_rope_dimension_count_swa(g["head_dim"])
+        rotated = int(global_head_dim * full["partial_rotary_factor"] / 2)
+        w.add_tensor("rope_freqs.weight",
+                     np.array([1.0] * rotated + [1e30] * (global_head_dim // 2 - rotated), np.float32))
+    else:
+        w.add_head_count_kv(c.num_key_value_heads)
+        if arch == "qwen35":
+            w.add_feed_forward_length(c.intermediate_size)
+        else:
+            w.add_expert_count(c.num_experts)
+            w.add_expert_used_count(c.num_experts_per_tok)
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+        w.add_ssm_state_size(c.linear_key_head_dim)
+        w.add_ssm_group_count(c.linear_num_key_heads)
+        w.add_ssm_time_step_rank(c.linear_num_value_heads)
+        w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+        w.add_full_attention_interval(4)
+        w.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
+        w.add_rope_dimension_sections([11, 11, 10, 0])  # llama.cpp's default (multimodal positions only)
+    _tokenizer(w)
+    name_map = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
+                                        c.num_hidden_layers)
+    tensors = {}
+    for key, t in model.state_dict().items():
+        if key == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        a = t.float().numpy()
+        if arch != "gemma4":
+            a = _qwen35_tensor(key, a, c)
+        if key.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: llama.cpp stores gate and up apart
+            layer = key.split(".")[2]
+            tensors[f"blk.{layer}.ffn_gate_exps.weight"], tensors[f"blk.{layer}.ffn_up_exps.weight"] = (
+                np.ascontiguousarray(a[:, : a.shape[1] // 2]), np.ascontiguousarray(a[:, a.shape[1] // 2:]))
+            continue
+        tensors[_gguf_name(arch, key, name_map)] = a
+    if mtp:
+        rng = np.random.default_rng(0)
+        tensors[f"blk.{c.num_hidden_layers}.nextn.eh_proj.weight"] = rng.standard_normal(
+            (c.hidden_size, 2 * c.hidden_size)).astype(np.float32)
+        tensors[f"blk.{c.num_hidden_layers}.attn_norm.weight"] = np.ones(c.hidden_size, np.float32)
+    for name, a in tensors.items():
+        kind = _stored(name, a, qtype)
+        if kind == "F32":
+            w.add_tensor(name, a.astype(np.float32))
+        elif kind == "F16":
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            t = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(name, gguf.quants.quantize(a, t), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _hf_gemma4_gguf(path):
+    """transformers' own GGUF loading of a Gemma 4 file (`load_gguf_checkpoint`, as `from_pretrained(gguf_file=)`
+    does), given what its reader leaves at Gemma4TextConfig's defaults though the file says otherwise: it maps
+    only the sizes, the window and the epsilon, so the sliding head size (key_length_swa), the layer pattern,
+    the per-layer KV heads, KV sharing, the per-layer input width and table size, the double-wide MLP, the
+    rotary bases and global partial rotary (`rope_freqs`) and the soft-capping are read from the file here.
+    Its name map also gives `layer_scalar` no ".weight", which llama.cpp's file has: that tensor is paired here."""
+    import gguf
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    reader = gguf.GGUFReader(str(path))
+
+    def field(key):
+        return reader.fields[f"gemma4.{key}"].contents()
+
+    settings = dict(load_gguf_checkpoint(str(path))["config"])
+    types = ["sliding_attention" if s else "full_attention" for s in field("attention.sliding_window_pattern")]
+    kv = field("attention.head_count_kv")
+    freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight").data
+    per_layer = next(t for t in reader.tensors if t.name == "per_layer_token_embd.weight")
+    settings.update(
+        head_dim=field("attention.key_length_swa"), layer_types=types,
+        num_key_value_heads=kv[types.index("sliding_attention")],
+        num_global_key_value_heads=kv[types.index("full_attention")], attention_k_eq_v=True,
+        num_kv_shared_layers=field("attention.shared_kv_layers"),
+        hidden_size_per_layer_input=field("embedding_length_per_layer_input"),
+        vocab_size_per_layer_input=int(per_layer.shape[-1]),
+        intermediate_size=field("feed_forward_length")[0], use_double_wide_mlp=True,
+        final_logit_softcapping=field("final_logit_softcapping"),
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": field("rope.freq_base_swa")},
+                         "full_attention": {"rope_type": "proportional", "rope_theta": field("rope.freq_base"),
+                                            "partial_rotary_factor": 2 * int((freqs < 1e29).sum())
+                                            / field("attention.key_length")}})
+    config = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    for t in reader.tensors:
+        if t.name.endswith("layer_output_scale.weight"):
+            tensors[f"model.layers.{t.name.split('.')[1]}.layer_scalar"] = torch.from_numpy(
+                gguf.quants.dequantize(t.data, t.tensor_type).copy())
+    missing, _ = model.load_state_dict(tensors, strict=False)
+    assert not [k for k in missing if k != "lm_head.weight"], missing
+    model.tie_weights()
+    return model.float().eval()
+
+
+def _check(pipe, path, reference, quantize: str) -> None:
+    """The engine's logits of the file against `reference` (transformers on the file's values), to float32
+    rounding with --quantize none and on the block kernels to float32 rounding plus flipped activation
+    roundings (tests/test_gguf.py explains the bound); greedy speculative output equal to target-only."""
+    from dflash_torch.generate import load
+
+    ids = torch.tensor([IDS])
+    with torch.inference_mode():
+        theirs = reference(ids).logits
+        none = pipe.target if quantize == "none" else load(str(path), None, "cpu", quiet=True, quantize="none").target
+        floats = none(ids, none.new_cache(64), logits="all").logits
+    scale = theirs.abs().max().item()
+    # float32 weights on both sides (F16 widened exactly): a few ulps per op through a few layers
+    torch.testing.assert_close(floats, theirs, rtol=0, atol=1e-4 * scale)
+    if quantize != "none":
+        from dflash_torch.models.quantize import BlockLinear
+
+        # every linear layer on the block kernels (all in_features here are whole blocks), the file's stored
+        # ones from their own bytes: none left in float
+        assert pipe.quantize == quantize and any(isinstance(m, BlockLinear) for m in pipe.target.modules())
+        assert not [n for n, m in pipe.target.named_modules() if isinstance(m, torch.nn.Linear)]
+        with torch.inference_mode():
+            ours = pipe.target(ids, pipe.target.new_cache(64), logits="all").logits
+            quantized = _quantized_activations(reference, quantize)(ids).logits
+        bound = (quantized - theirs).abs().max().item() + 1e-4 * scale
+        torch.testing.assert_close(ours, quantized, rtol=0, atol=bound)
+    a = list(generate_tokens(pipe.target, IDS, max_new_tokens=24))
+    b = list(generate_tokens(pipe.target, IDS, max_new_tokens=24, lookup=True))
+    assert a == b and len(a) == 24
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_gguf_gemma4_matches_transformers(qtype, tmp_path, monkeypatch):
+    """A Gemma 4 file (per-layer inputs, KV sharing, double-wide MLP, global layers with their own head size,
+    KV heads, values from keys and partial rotary, sliding layers masking): the engine's logits equal
+    transformers' GGUF loading of it, and greedy speculative output equals target-only output."""
+    from dflash_torch.generate import load
+
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    path = tmp_path / f"tiny-gemma4.{qtype}.gguf"
+    write_gguf("gemma4", qtype, path, _model("gemma4"))
+    quantize = qtype.lower() if qtype.startswith("Q") else "none"
+    pipe = load(str(path), None, "cpu", quiet=True, quantize=quantize)
+    _check(pipe, path, _hf_gemma4_gguf(path), quantize)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_gguf_qwen35_matches_hf_directory(arch, qtype, tmp_path, monkeypatch):
+    """A Qwen3.5 (dense or MoE) file: the engine's logits equal transformers' and the engine's own on the HF
+    directory of the model it was written from (weights rounded to the file's type), and greedy speculative
+    output equals target-only output."""
+    import gguf
+
+    from dflash_torch.generate import load
+
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    model = _model(arch)
+    _round_to_file(model, arch, qtype)
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(str(hf_dir))
+    path = tmp_path / f"tiny-{arch}.{qtype}.gguf"
+    write_gguf(arch, qtype, path, model)
+    # the rounding is the file's: each stored tensor dequantizes to the rounded model's values, transformed
+    writer_view = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        writer_view[t.name] = gguf.quants.dequantize(t.data, t.tensor_type)
+    name_map = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), 4)
+    for key, t in model.state_dict().items():
+        if "experts" not in key and not (key == "lm_head.weight" and model.config.tie_word_embeddings):
+            expected = _qwen35_tensor(key, t.numpy(), model.config)
+            np.testing.assert_array_equal(writer_view[_gguf_name(arch, key, name_map)].reshape(expected.shape),
+                                          expected.astype(np.float32), err_msg=key)
+    quantize = qtype.lower() if qtype.startswith("Q") else "none"
+    pipe = load(str(path), None, "cpu", quiet=True, quantize=quantize)
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    engine_hf = load(str(hf_dir), None, "cpu", quiet=True, quantize="none").target
+    with torch.inference_mode():
+        ids = torch.tensor([IDS])
+        ours = load(str(path), None, "cpu", quiet=True, quantize="none").target
+        theirs = engine_hf(ids, engine_hf.new_cache(64), logits="all").logits
+        # the file's values are the directory's up to the rounding of 1 + w - 1 and log(exp(A_log)): float32
+        torch.testing.assert_close(ours(ids, ours.new_cache(64), logits="all").logits, theirs, rtol=0,
+                                   atol=1e-4 * theirs.abs().max().item())
+    _check(pipe, path, reference, quantize)
+
+
+def test_gguf_gemma4_moe_says_so(tmp_path, monkeypatch):
+    """A Gemma 4 mixture-of-experts file gets a ModelError saying so before anything is written to the cache."""
+    import gguf
+
+    from dflash_torch import loading
+
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    path = tmp_path / "moe.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    for add, value in (("block_count", 1), ("embedding_length", 64), ("feed_forward_length", 128),
+                       ("head_count", 4), ("head_count_kv", 2), ("context_length", 64), ("expert_count", 4)):
+        getattr(w, f"add_{add}")(value)
+    _tokenizer(w)
+    w.add_tensor("token_embd.weight", np.zeros((BASE["vocab_size"], 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(loading.ModelError, match=r"gemma4 mixture-of-experts files \(Gemma 4 26B-A4B\) are not "
+                                                 r"supported"):
+        loading.resolve_model(str(path))
+    assert not list((tmp_path / "home").glob("models/*"))
