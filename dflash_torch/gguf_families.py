@@ -146,11 +146,8 @@ def _v_head_unit(config: dict) -> tuple[int, int, int, int] | None:
 
 
 def keeps_blocks(arch: str, gguf_name: str, config: dict) -> bool:
-    """Whether a block-stored matrix can stay in blocks in HF's layout: not the Gemma 4 per-layer embedding
-    (the loader's block path takes an embedding for the token embedding only), nor a Gated DeltaNet output
+    """Whether a block-stored matrix can stay in blocks in HF's layout: not a Gated DeltaNet output
     projection whose value heads are reordered in column units that are not whole blocks of 32."""
-    if arch == "gemma4":
-        return "per_layer_token_embd" not in gguf_name
     heads = _v_head_unit(config) if arch in QWEN35 else None
     return not (heads and "ssm_out" in gguf_name and heads[3] % 32)
 

@@ -337,7 +337,9 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype,
         if name in state:  # an older cache's float copy
             continue
         head = name == "lm_head.weight" or (name == "model.embed_tokens.weight" and config.get("tie_word_embeddings"))
-        if blocks is not None and device.type == "cpu" and (name == "model.embed_tokens.weight"
+        # an embedding stays in its blocks whatever their format (rows are only looked up), as does a
+        # matrix stored in the format its layers run in
+        if blocks is not None and device.type == "cpu" and (_is_embedding(model, name)
                                                             or fmt == blocks[1 if head else 0]):
             _keep_block(model, name, fmt, raw, state, dtype, blocks[1])
         else:
@@ -363,11 +365,19 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype,
     return model.to(device=device).eval()
 
 
+def _is_embedding(model: torch.nn.Module, name: str) -> bool:
+    try:
+        return isinstance(model.get_submodule(name.removesuffix(".weight")), torch.nn.Embedding)
+    except AttributeError:
+        return False
+
+
 def _keep_block(model: torch.nn.Module, name: str, fmt: str, raw: torch.Tensor, state: dict, dtype: torch.dtype,
                 head_fmt: str) -> None:
     """Put the layer `name` in place as a block module of its stored bytes `raw`. A tied LM head takes the
-    embedding's blocks where they are in the head's format (the embedding then reads its rows out of the
-    head's), else the embedding's floats, for the caller to quantize."""
+    token embedding's blocks where they are in the head's format (the embedding then reads its rows out of
+    the head's), else the embedding's floats, for the caller to quantize. Other embeddings (Gemma 4's
+    per-layer table) are never the head's."""
     from .kernels import pack
     from .models.quantize import BlockEmbedding, BlockLinear
 
@@ -376,7 +386,8 @@ def _keep_block(model: torch.nn.Module, name: str, fmt: str, raw: torch.Tensor, 
     if not isinstance(getattr(owner, attr), torch.nn.Embedding):
         setattr(owner, attr, BlockLinear(None, fmt, raw, state.pop(f"{name.removesuffix('.weight')}.bias", None)))
         return
-    if not getattr(model.config, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
+    tied = getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head")
+    if not tied or name != "model.embed_tokens.weight":
         setattr(owner, attr, BlockEmbedding(raw, fmt, dtype))
     elif fmt == head_fmt:
         model.lm_head = BlockLinear(None, fmt, raw)

@@ -300,6 +300,12 @@ def _check(pipe, path, reference, quantize: str) -> None:
         # ones from their own bytes: none left in float
         assert pipe.quantize == quantize and any(isinstance(m, BlockLinear) for m in pipe.target.modules())
         assert not [n for n, m in pipe.target.named_modules() if isinstance(m, torch.nn.Linear)]
+        # and no embedding table in float: each kept in its stored blocks, rows dequantized as looked up
+        # (Gemma 4's per-layer table too: 262,144 x 8,960 values in E2B)
+        from dflash_torch.models.quantize import BlockEmbedding
+
+        tables = [m for m in pipe.target.modules() if isinstance(m, (torch.nn.Embedding, BlockEmbedding))]
+        assert tables and all(isinstance(m, BlockEmbedding) for m in tables)
         with torch.inference_mode():
             ours = pipe.target(ids, pipe.target.new_cache(64), logits="all").logits
             quantized = _quantized_activations(reference, quantize)(ids).logits
