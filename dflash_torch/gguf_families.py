@@ -5,7 +5,10 @@ and Qwen3_5TextModel / Qwen3_5MoeTextModel) does to their tensors.
 Gemma 4: norms as they are (no 1 + w), a per-layer boolean sliding-window pattern, head sizes for global
 (key_length) and sliding layers (key_length_swa), KV head counts per layer when global layers have their
 own, a feed-forward length per layer for the double-wide MLP of KV-shared layers, and the partial rotary
-of global layers as a `rope_freqs` tensor (1 for each rotated frequency pair, 1e30 for the others).
+of global layers as a `rope_freqs` tensor (1 for each rotated frequency pair, 1e30 for the others). MoE
+files (26B-A4B): expert_count / expert_used_count / expert_feed_forward_length, the experts' fused gate/up
+and down stacks as HF holds them, the router's projection as `ffn_gate_inp`, its per-dim scale as
+`ffn_gate_inp.scale` and its per-expert scale as `ffn_down_exps.scale`.
 
 Qwen3.5: every RMSNorm but the Gated DeltaNet output norm stored as 1 + w; A_log stored as -exp(A_log);
 dt_bias as `ssm_dt.bias`; the conv1d weight [C, 1, K] squeezed to [C, K]; where there are fewer key than
@@ -26,6 +29,10 @@ from .loading import ModelError
 SPECIAL_NAMES = {
     "linear_attn.dt_bias": "ssm_dt.bias",
     "linear_attn.A_log": "ssm_a",
+    # Gemma 4 MoE (Gemma4Model.modify_tensors): the router's per-dim input scale beside its projection, and
+    # its per-expert output scale beside the down stack (where llama.cpp's graph applies it)
+    "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale",
 }
 QWEN35 = ("qwen35", "qwen35moe")
 # Tensors whose value heads llama.cpp tiles (`_LinearAttentionVReorderBase`)
@@ -36,10 +43,6 @@ def gemma4_config(field, reader, config: dict) -> dict:
     """The Gemma 4 settings of `config` (the generic ones, already read) from the file's metadata."""
     import gguf
 
-    if field("expert_count"):
-        raise ModelError("gemma4 mixture-of-experts files (Gemma 4 26B-A4B) are not supported: there is no check "
-                         "here of their expert, router-scale and per-expert-scale tensors (transformers' GGUF "
-                         "loader, the reference, cannot pair them); the dense Gemma 4 models load")
     layers = config["num_hidden_layers"]
     pattern = field("attention.sliding_window_pattern")
     if not isinstance(pattern, list) or len(pattern) != layers:
@@ -97,7 +100,28 @@ def gemma4_config(field, reader, config: dict) -> dict:
     })
     if k_eq_v:
         config["num_global_key_value_heads"] = kv_full
+    if field("expert_count"):
+        config.update(_gemma4_moe(field, reader, layers))
     return config
+
+
+def _gemma4_moe(field, reader, layers: int) -> dict:
+    """The MoE settings of a Gemma 4 file (26B-A4B: a router and experts beside every layer's dense MLP).
+    llama.cpp writes the experts as HF holds them, one fused gate/up stack (`ffn_gate_up_exps`), and the
+    router's two learned scales under names of its own (`SPECIAL_NAMES`); a file with gate and up apart, or
+    experts in some layers only, is not a layout transformers' Gemma 4 can express."""
+    names = {t.name for t in reader.tensors}
+    for i in range(layers):
+        have = {k for k in ("ffn_gate_inp.weight", "ffn_gate_up_exps.weight", "ffn_down_exps.weight")
+                if f"blk.{i}.{k}" in names}
+        if len(have) < 3:
+            apart = f"blk.{i}.ffn_gate_exps.weight" in names
+            raise ModelError(f"gemma4 mixture-of-experts file whose layer {i} has "
+                             + ("its experts' gate and up stacks apart (not the fused ffn_gate_up_exps llama.cpp "
+                                "writes for Gemma 4)" if apart else "no router or experts")
+                             + ": only every layer with a router and fused experts is a Gemma 4 layout")
+    return {"enable_moe_block": True, "num_experts": field("expert_count"),
+            "top_k_experts": field("expert_used_count"), "moe_intermediate_size": field("expert_feed_forward_length")}
 
 
 def qwen35_config(field, config: dict, arch: str) -> dict:

@@ -180,7 +180,8 @@ def _quantized_activations(model, fmt: str):
     """Round every linear layer's input as the block kernels do (per row, blocks of 32, d = max|x| / 127,
     q = round(x / d): `kernels.reference.quantize_act`), so that transformers computes what the engine's
     block formats compute (integer block dot products are exact; the rest is float32 rounding). A MoE
-    router, stored in F32 but run by the engine in the layers' format `fmt`, gets its weight quantized too."""
+    router (Qwen's, Gemma 4's projection), stored in F32 but run by the engine in the layers' format `fmt`,
+    gets its weight quantized too."""
     from dflash_torch.kernels import pack, reference
 
     def hook(_module, args):
@@ -193,6 +194,9 @@ def _quantized_activations(model, fmt: str):
         if type(m).__name__.endswith("TopKRouter"):  # not an nn.Linear, but one to the engine
             with torch.no_grad():
                 m.weight.copy_(pack.dequantize(pack.quantize(m.weight, fmt), fmt))
+        if type(m).__name__ == "Gemma4TextRouter":  # its projection (an nn.Linear: hooked below) stored in F32
+            with torch.no_grad():
+                m.proj.weight.copy_(pack.dequantize(pack.quantize(m.proj.weight, fmt), fmt))
         if isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("TopKRouter"):
             m.register_forward_pre_hook(hook)
     return model

@@ -8,16 +8,18 @@ Each file is written here from a tiny random transformers model the way llama.cp
   sliding head sizes as key_length / key_length_swa, per-layer KV head counts (global layers have their own
   with values from the key projection), per-layer feed-forward lengths (the KV-shared layers' double-wide
   MLP), the global layers' partial rotary as the `rope_freqs` tensor, `layer_scalar` as
-  `layer_output_scale.weight`.
+  `layer_output_scale.weight`. Gemma 4 MoE (26B-A4B-style): expert_count / expert_used_count /
+  expert_feed_forward_length, the fused gate/up expert stack as HF holds it, `router.scale` as
+  `ffn_gate_inp.scale`, `router.per_expert_scale` as `ffn_down_exps.scale`, the router in F32.
 * Qwen3.5: RMSNorms but the Gated DeltaNet output norm as 1 + w, A_log as -exp(A_log), dt_bias as
   `ssm_dt.bias`, the conv1d weight squeezed to [C, K], value heads of the linear-attention tensors reordered
   from grouped by key head to tiled (fewer key than value heads here), the Gated DeltaNet sizes as ssm.*
   keys and the layer pattern as full_attention_interval; MoE experts as gate / up / down stacks.
 
-transformers reads Gemma 4 GGUF files (compared against as tests/test_gguf.py does), but not Qwen3.5 ones:
-a Qwen3.5 file is compared against the HF directory of the very model it was written from (transformers'
-model and the engine's), whose weights are first rounded to the file's storage type, so both hold the same
-values.
+transformers reads dense Gemma 4 GGUF files (compared against as tests/test_gguf.py does), but not Qwen3.5
+ones, and it cannot pair Gemma 4 MoE's expert and router-scale tensors: a Qwen3.5 or Gemma 4 MoE file is
+compared against the HF directory of the very model it was written from (transformers' model and the
+engine's), whose weights are first rounded to the file's storage type, so both hold the same values.
 """
 
 from __future__ import annotations
@@ -39,8 +41,14 @@ QWEN35 = dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_head
               linear_value_head_dim=32, linear_conv_kernel_dim=4, tie_word_embeddings=False)
 QWEN35_MOE = dict(QWEN35, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                   shared_expert_intermediate_size=32)
+# 26B-A4B-style: a router and experts beside every layer's dense MLP, global layers with their own KV heads
+# and values from keys; no per-layer inputs, KV sharing or double-wide MLP (26B-A4B has none)
+GEMMA4_MOE = dict(GEMMA4, hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False,
+                  enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+# (test name: (transformers config class, its settings)); Gemma 4 MoE files are GGUF architecture gemma4
 FAMILIES = {"gemma4": ("Gemma4TextConfig", GEMMA4), "qwen35": ("Qwen3_5TextConfig", QWEN35),
-            "qwen35moe": ("Qwen3_5MoeTextConfig", QWEN35_MOE)}
+            "qwen35moe": ("Qwen3_5MoeTextConfig", QWEN35_MOE), "gemma4moe": ("Gemma4TextConfig", GEMMA4_MOE)}
+GGUF_ARCH = {"gemma4moe": "gemma4"}
 
 
 def _model(arch: str, seed: int = 0):
@@ -66,7 +74,10 @@ def _tiled(w: np.ndarray, dim: int, k_heads: int, per_k: int, unit: int) -> np.n
 
 
 def _qwen35_tensor(key: str, a: np.ndarray, c) -> np.ndarray:
-    """One Qwen3.5 tensor as llama.cpp's converter writes it (Qwen3NextModel, _LinearAttentionVReorderBase)."""
+    """One Qwen3.5 tensor as llama.cpp's converter writes it (Qwen3NextModel, _LinearAttentionVReorderBase);
+    Gemma 4's are written as they are."""
+    if c.model_type.startswith("gemma4"):
+        return a
     k, per_k = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads
     dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
     if key.endswith(".A_log"):
@@ -89,6 +100,10 @@ def _qwen35_tensor(key: str, a: np.ndarray, c) -> np.ndarray:
 
 def _gguf_name(arch: str, key: str, name_map) -> str:
     parts = key.split(".")
+    if key.endswith("router.scale"):  # Gemma4Model.modify_tensors names these in code
+        return f"blk.{parts[2]}.ffn_gate_inp.scale"
+    if key.endswith("router.per_expert_scale"):
+        return f"blk.{parts[2]}.ffn_down_exps.scale"
     if key.endswith("linear_attn.dt_bias"):
         return f"blk.{parts[2]}.ssm_dt.bias"
     if key.endswith("linear_attn.A_log"):
@@ -116,6 +131,7 @@ def _round_to_file(model, arch: str, qtype: str) -> None:
 
     if qtype == "F32":
         return
+    arch = GGUF_ARCH.get(arch, arch)
     name_map = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), 99)
     with torch.no_grad():
         for key, t in model.state_dict().items():
@@ -134,11 +150,12 @@ def _round_to_file(model, arch: str, qtype: str) -> None:
 
 
 def write_gguf(arch: str, qtype: str, path, model) -> None:
-    """`model` (a tiny Gemma 4 or Qwen3.5 transformers model) written to `path` as llama.cpp would, its
-    tensors in `qtype` (`_stored`)."""
+    """`model` (a tiny Gemma 4, Gemma 4 MoE or Qwen3.5 transformers model; `arch` its FAMILIES name) written to
+    `path` as llama.cpp would, its tensors in `qtype` (`_stored`)."""
     import gguf
 
     c = model.config
+    variant, arch = arch, GGUF_ARCH.get(arch, arch)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")
     w.add_context_length(c.max_position_embeddings)
@@ -152,11 +169,18 @@ def write_gguf(arch: str, qtype: str, path, model) -> None:
     w.add_head_count(c.num_attention_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if arch == "gemma4":
-        g = {**BASE, **GEMMA4}  # (per-layer sizes: Gemma 4's config does not give them globally)
+        g = {**BASE, **FAMILIES[variant][1]}  # (per-layer sizes: Gemma 4's config does not give them globally)
         swa = [t == "sliding_attention" for t in c.layer_types]
         first_shared = c.num_hidden_layers - c.num_kv_shared_layers
-        w.add_feed_forward_length([g["intermediate_size"] * (1 if i < first_shared else 2)
-                                   for i in range(c.num_hidden_layers)])
+        if g["use_double_wide_mlp"]:  # (llama.cpp writes the per-layer array only then)
+            w.add_feed_forward_length([g["intermediate_size"] * (1 if i < first_shared else 2)
+                                       for i in range(c.num_hidden_layers)])
+        else:
+            w.add_feed_forward_length(g["intermediate_size"])
+        if g.get("enable_moe_block"):
+            w.add_expert_count(g["num_experts"])
+            w.add_expert_used_count(g["top_k_experts"])
+            w.add_expert_feed_forward_length(g["moe_intermediate_size"])
         w.add_head_count_kv([g["num_key_value_heads"] if s else g["num_global_key_value_heads"] for s in swa])
         full, sliding = c.rope_parameters["full_attention"], c.rope_parameters["sliding_attention"]
         w.add_rope_freq_base(full["rope_theta"])
@@ -203,10 +227,9 @@ def write_gguf(arch: str, qtype: str, path, model) -> None:
     for key, t in model.state_dict().items():
         if key == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        a = t.float().numpy()
-        if arch != "gemma4":
-            a = _qwen35_tensor(key, a, c)
-        if key.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: llama.cpp stores gate and up apart
+        a = _qwen35_tensor(key, t.float().numpy(), c)
+        # Qwen's [E, 2I, H] stack: llama.cpp stores gate and up apart (Gemma 4's `experts.gate_up_proj` stays fused)
+        if key.endswith("mlp.experts.gate_up_proj"):
             layer = key.split(".")[2]
             tensors[f"blk.{layer}.ffn_gate_exps.weight"], tensors[f"blk.{layer}.ffn_up_exps.weight"] = (
                 np.ascontiguousarray(a[:, : a.shape[1] // 2]), np.ascontiguousarray(a[:, a.shape[1] // 2:]))
@@ -337,11 +360,30 @@ def test_gguf_qwen35_matches_hf_directory(arch, qtype, tmp_path, monkeypatch):
     """A Qwen3.5 (dense or MoE) file: the engine's logits equal transformers' and the engine's own on the HF
     directory of the model it was written from (weights rounded to the file's type), and greedy speculative
     output equals target-only output."""
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    _check_against_hf_directory(arch, qtype, tmp_path)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_gguf_gemma4_moe_matches_hf_directory(qtype, tmp_path, monkeypatch):
+    """A Gemma 4 mixture-of-experts file (26B-A4B-style: router and experts beside every dense MLP, the router's
+    per-dim and per-expert scales under llama.cpp's names, the fused gate/up expert stack; global layers with
+    their own KV heads and values from keys): the engine's logits equal transformers' and the engine's own on
+    the HF directory it was written from (transformers' GGUF loader cannot pair these tensors), and greedy
+    speculative output equals target-only output."""
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    _check_against_hf_directory("gemma4moe", qtype, tmp_path)
+
+
+def _check_against_hf_directory(arch: str, qtype: str, tmp_path) -> None:
+    """The tiny model of `arch` (a FAMILIES name), its weights rounded to `qtype`, saved as an HF directory and
+    written as llama.cpp would: the file holds the rounded values (transformed as llama.cpp transforms them),
+    and the engine on the file matches the engine and transformers on the directory (`_check`)."""
     import gguf
+    import transformers
 
     from dflash_torch.generate import load
 
-    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
     model = _model(arch)
     _round_to_file(model, arch, qtype)
     hf_dir = tmp_path / "hf"
@@ -352,16 +394,17 @@ def test_gguf_qwen35_matches_hf_directory(arch, qtype, tmp_path, monkeypatch):
     writer_view = {}
     for t in gguf.GGUFReader(str(path)).tensors:
         writer_view[t.name] = gguf.quants.dequantize(t.data, t.tensor_type)
-    name_map = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), 4)
+    enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == GGUF_ARCH.get(arch, arch))
+    name_map = gguf.get_tensor_name_map(enum, 4)
     for key, t in model.state_dict().items():
-        if "experts" not in key and not (key == "lm_head.weight" and model.config.tie_word_embeddings):
+        # (Qwen's gate/up expert stack is written as two tensors; the tied head is not written)
+        if not key.endswith("mlp.experts.gate_up_proj") and not (key == "lm_head.weight"
+                                                                  and model.config.tie_word_embeddings):
             expected = _qwen35_tensor(key, t.numpy(), model.config)
             np.testing.assert_array_equal(writer_view[_gguf_name(arch, key, name_map)].reshape(expected.shape),
                                           expected.astype(np.float32), err_msg=key)
     quantize = qtype.lower() if qtype.startswith("Q") else "none"
     pipe = load(str(path), None, "cpu", quiet=True, quantize=quantize)
-    import transformers
-
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     engine_hf = load(str(hf_dir), None, "cpu", quiet=True, quantize="none").target
     with torch.inference_mode():
@@ -374,25 +417,37 @@ def test_gguf_qwen35_matches_hf_directory(arch, qtype, tmp_path, monkeypatch):
     _check(pipe, path, reference, quantize)
 
 
-def test_gguf_gemma4_moe_says_so(tmp_path, monkeypatch):
-    """A Gemma 4 mixture-of-experts file gets a ModelError saying so before anything is written to the cache."""
+def test_gguf_gemma4_moe_split_experts_say_so(tmp_path, monkeypatch):
+    """A Gemma 4 MoE file whose experts' gate and up stacks are apart (not what llama.cpp writes for Gemma 4,
+    which transformers' model cannot pair either) gets a ModelError saying so before anything is written to
+    the cache."""
     import gguf
 
     from dflash_torch import loading
 
     monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
-    path = tmp_path / "moe.gguf"
+    model = _model("gemma4moe")
+    good, path = tmp_path / "moe.gguf", tmp_path / "split.gguf"
+    write_gguf("gemma4moe", "F32", good, model)
+    reader = gguf.GGUFReader(str(good))
     w = gguf.GGUFWriter(str(path), "gemma4")
-    for add, value in (("block_count", 1), ("embedding_length", 64), ("feed_forward_length", 128),
-                       ("head_count", 4), ("head_count_kv", 2), ("context_length", 64), ("expert_count", 4)):
-        getattr(w, f"add_{add}")(value)
-    _tokenizer(w)
-    w.add_tensor("token_embd.weight", np.zeros((BASE["vocab_size"], 64), np.float32))
+    for field in reader.fields.values():  # the same metadata
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(field.name, field.contents(), field.types[0],
+                            field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        a = np.array(t.data)
+        if t.name.endswith("ffn_gate_up_exps.weight"):
+            layer = t.name.split(".")[1]
+            w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(a[:, : a.shape[1] // 2]))
+            w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(a[:, a.shape[1] // 2:]))
+        else:
+            w.add_tensor(t.name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(loading.ModelError, match=r"gemma4 mixture-of-experts files \(Gemma 4 26B-A4B\) are not "
-                                                 r"supported"):
+    with pytest.raises(loading.ModelError, match=r"gemma4 mixture-of-experts file whose layer 0 has its experts' "
+                                                 r"gate and up stacks apart"):
         loading.resolve_model(str(path))
     assert not list((tmp_path / "home").glob("models/*"))
