@@ -5,6 +5,8 @@ run get a clear error.
 Each file is written here from a tiny random transformers model, the way llama.cpp's converter writes
 one: tensor names through gguf's name map, Llama q/k rows permuted for llama.cpp's rotary layout, Gemma
 norms stored as 1 + w, MoE experts as gate / up / down stacks, the router kept in F32, 1-D tensors in F32.
+Q4_K files (`test_gguf_family_q4_k`) are as llama.cpp's Q4_K_M stores them (`k_quant_type`), encoded by
+dflash_torch/gguf_kquants.py, and checked by `check_q4_k` (also used by tests/test_gguf_hybrid.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,31 @@ FAMILIES = {  # GGUF architecture: (transformers config class, its settings)
                                         tie_word_embeddings=True)),
 }
 TYPES = ("F32", "F16", "Q8_0", "Q4_0")
+# Q4_K files: K-quant rows are whole 256-value blocks, so the Q4_K models are this wide (the families' own
+# settings, e.g. Qwen3's head_dim, still win: their narrower matrices are then written in Q8_0)
+K_SIZES = dict(hidden_size=256, intermediate_size=256, head_dim=64)
+
+
+def k_quant_type(name: str, a: np.ndarray, tied: bool) -> str:
+    """The type a Q4_K_M-style file stores a matrix in: the LM head (output, or the token embedding when it
+    is tied) in Q6_K, as llama.cpp's Q4_K_M does; matrices whose rows are whole 256-value blocks in Q4_K, the
+    others in Q8_0 (llama.cpp itself falls back to Q5_0 for those; Q8_0 keeps every matrix of the tiny
+    models in a block format the engine keeps)."""
+    if name == "output.weight" or (name == "token_embd.weight" and tied):
+        return "Q6_K"
+    return "Q4_K" if a.shape[-1] % 256 == 0 else "Q8_0"
+
+
+def block_quantize(a: np.ndarray, kind: str) -> np.ndarray:
+    """`a` (any leading dims) as GGUF blocks of `kind`: gguf's quantizer, or gguf_kquants' encoders for the
+    K-quants gguf cannot encode."""
+    import gguf
+
+    from dflash_torch.gguf_kquants import ENCODERS
+
+    if kind not in ENCODERS:
+        return gguf.quants.quantize(a, gguf.GGMLQuantizationType[kind])
+    return ENCODERS[kind](np.ascontiguousarray(a.reshape(-1, a.shape[-1]), np.float32)).reshape(*a.shape[:-1], -1)
 
 
 @functools.cache
@@ -77,7 +104,7 @@ def write_gguf(arch: str, qtype: str, path, seed: int = 0):
     import transformers
 
     cls, settings = FAMILIES[arch]
-    config = getattr(transformers, cls)(**{**BASE, **settings})
+    config = getattr(transformers, cls)(**{**BASE, **(K_SIZES if qtype == "Q4_K" else {}), **settings})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():  # norms and biases away from their init values (1 or 0), so a mix-up shows
@@ -134,8 +161,8 @@ def write_gguf(arch: str, qtype: str, path, seed: int = 0):
         elif qtype == "F16":
             w.add_tensor(name, a.astype(np.float16))
         else:
-            t = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(name, gguf.quants.quantize(a, t), raw_dtype=t)
+            kind = k_quant_type(name, a, c.tie_word_embeddings) if qtype == "Q4_K" else qtype
+            w.add_tensor(name, block_quantize(a, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -349,26 +376,7 @@ def test_gguf_kquants_convert_to_block_formats(qtype, fmt, tmp_path, monkeypatch
     assert f"MLP gate/up: {qtype} -> {fmt} (converted) -> {fmt} (block kernels)" in err
     assert "LM head: Q6_K -> q8_0 (converted) -> q8_0 (block kernels)" in err
     model_dir = pipe.model_path
-    # Each converted matrix against transformers' own dequantization of the file's: gguf's quantizer (llama.cpp's
-    # reference) rounds each value to the nearest of its block's levels, so the error is at most half a step
-    # d (q8_0: max|w| / 127; q4_1: (max - min) / 15), plus the fp16 rounding of the block's scale times its
-    # largest quant (127, 15) and, q4_1, of its minimum m: half an fp16 ulp, 2^-11 relative, or 2^-25 where
-    # the value is subnormal in fp16 (below 2^-14).
-    theirs = _hf_gguf(path).state_dict()
-    for name, kind, raw in loading.iter_blocks(model_dir):
-        ours = pack.dequantize(raw, kind)
-        ref = theirs[name].reshape(ours.shape[0], -1, 32)
-        def fp16(x):
-            return torch.maximum(x.abs() * 2**-11, torch.tensor(2.0**-25))
-
-        if kind == "q8_0":
-            d = ref.abs().amax(-1, keepdim=True) / 127
-            bound = 0.5 * d + 127 * fp16(d)
-        else:
-            lo, hi = ref.amin(-1, keepdim=True), ref.amax(-1, keepdim=True)
-            d = (hi - lo) / 15
-            bound = 0.5 * d + 15 * fp16(d) + fp16(lo)
-        assert ((ours.reshape(ref.shape) - ref).abs() <= bound + 1e-7).all(), name
+    assert_converted_within_rounding(model_dir, _hf_gguf(path).state_dict())
     # the kernels on the converted blocks against transformers on the same (dequantized) blocks with its
     # linear layers' inputs quantized as the kernels do: float32 rounding, and as above, flipped roundings of
     # activations bounded by the activation quantization's whole effect
@@ -391,3 +399,99 @@ def test_gguf_kquants_convert_to_block_formats(qtype, fmt, tmp_path, monkeypatch
     torch.testing.assert_close(ours, quantized, rtol=0, atol=(quantized - floats).abs().max().item() + 1e-4 * scale)
     a = list(generate_tokens(pipe.target, IDS, max_new_tokens=24))
     assert a == list(generate_tokens(pipe.target, IDS, max_new_tokens=24, lookup=True)) and len(a) == 24
+
+
+def assert_converted_within_rounding(model_dir, theirs: dict) -> None:
+    """Each block-kept matrix of a converted directory against the file's own values (`theirs`: HF name ->
+    float32, e.g. transformers' own dequantization of the file): gguf's quantizer (llama.cpp's reference)
+    rounds each value to the nearest of its block's levels, so the error is at most half a step d (q8_0:
+    max|w| / 127; q4_1: (max - min) / 15), plus the fp16 rounding of the block's scale times its largest
+    quant (127, 15) and, q4_1, of its minimum m: half an fp16 ulp, 2^-11 relative, or 2^-25 where the value
+    is subnormal in fp16 (below 2^-14). (Matrices the file stores in a block format are its bytes: exact.)"""
+    from dflash_torch.kernels import pack
+
+    def fp16(x):
+        return torch.maximum(x.abs() * 2**-11, torch.tensor(2.0**-25))
+
+    for name, kind, raw in loading.iter_blocks(model_dir):
+        ours = pack.dequantize(raw, kind)
+        ref = theirs[name].reshape(ours.shape[0], -1, 32)
+        if kind == "q8_0":
+            d = ref.abs().amax(-1, keepdim=True) / 127
+            bound = 0.5 * d + 127 * fp16(d)
+        else:
+            lo, hi = ref.amin(-1, keepdim=True), ref.amax(-1, keepdim=True)
+            d = (hi - lo) / 15
+            bound = 0.5 * d + 15 * fp16(d) + fp16(lo)
+        assert ((ours.reshape(ref.shape) - ref).abs() <= bound + 1e-7).all(), name
+
+
+def check_q4_k(path, reference, capsys) -> None:
+    """A Q4_K file (`k_quant_type`) against `reference` (a function giving a fresh transformers model on the
+    file's own values): with --quantize none the engine's logits equal it to float32 rounding; with
+    --quantize auto every Q4_K matrix runs as converted q4_1 blocks (the banner says so), each converted
+    matrix within its format's rounding of the file's values, the logits those of transformers on the
+    converted weights with its linear layers' inputs quantized as the kernels do (float32 rounding plus
+    flipped activation roundings, bounded as in `test_gguf_family_matches_transformers`), and greedy
+    speculative output equals target-only output."""
+    import json
+
+    import gguf
+
+    from dflash_torch import gguf_convert
+    from dflash_torch.generate import load
+    from dflash_torch.kernels import pack
+
+    ids = torch.tensor([IDS])
+    none = load(str(path), None, "cpu", quiet=True, quantize="none").target
+    with torch.inference_mode():
+        theirs = reference()(ids).logits
+        scale = theirs.abs().max().item()
+        torch.testing.assert_close(none(ids, none.new_cache(64), logits="all").logits, theirs, rtol=0,
+                                   atol=1e-4 * scale)
+    capsys.readouterr()
+    pipe = load(str(path), None, "cpu", quantize="auto")
+    err = capsys.readouterr().err
+    assert pipe.quantize == "q4_1" and "Q4_K -> q4_1 (converted) -> q4_1 (block kernels)" in err, err
+    model_dir = pipe.model_path
+    # every 2-D Q4_K matrix of the file is kept as q4_1 blocks, and only those
+    reader = gguf.GGUFReader(str(path))
+    names = gguf_convert.hf_names(reader, json.loads((model_dir / "config.json").read_text()))
+    q4_k = {names[t.name] for t in reader.tensors  # (of the tensors the engine reads: not Qwen3.5's MTP block)
+            if t.tensor_type.name == "Q4_K" and len(t.shape) == 2 and t.name in names}
+    kept = {name: kind for name, kind, _ in loading.iter_blocks(model_dir)}
+    assert q4_k and {n for n, k in kept.items() if k == "q4_1"} == q4_k
+    assert not [n for n, m in pipe.target.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert_converted_within_rounding(model_dir, reference().state_dict())
+
+    def run_as(name: str, kind: str, raw: torch.Tensor) -> torch.Tensor:
+        # a matrix runs in the model's format (the head in its own); one kept in another (a Q8_0 matrix of a
+        # Q4_K file) is quantized into it at load, as any float matrix is; embeddings are looked up as kept
+        w = pack.dequantize(raw, kind)
+        fmt = pipe.lm_head if name == "lm_head.weight" else pipe.quantize
+        if "embed_tokens" in name or kind == fmt:
+            return w
+        return pack.dequantize(pack.quantize(w, fmt), fmt)
+
+    hf = reference()
+    hf.load_state_dict({name: run_as(name, kind, raw) for name, kind, raw in loading.iter_blocks(model_dir)},
+                       strict=False)  # on the converted weights, as the block kernels run them
+    if getattr(hf.config, "tie_word_embeddings", False):
+        hf.tie_weights()
+    with torch.inference_mode():
+        ours = pipe.target(ids, pipe.target.new_cache(64), logits="all").logits
+        floats = hf(ids).logits
+        quantized = _quantized_activations(hf, pipe.quantize)(ids).logits
+    torch.testing.assert_close(ours, quantized, rtol=0, atol=(quantized - floats).abs().max().item() + 1e-4 * scale)
+    a = list(generate_tokens(pipe.target, IDS, max_new_tokens=24))
+    assert a == list(generate_tokens(pipe.target, IDS, max_new_tokens=24, lookup=True)) and len(a) == 24
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_gguf_family_q4_k(arch, tmp_path, monkeypatch, capsys):
+    """A Q4_K_M-style file of each family (Q4_K matrices, Q8_0 where rows are not whole 256-value blocks, the
+    LM head in Q6_K): against transformers' own GGUF loading of it (`check_q4_k`)."""
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    path = tmp_path / f"tiny-{arch}.Q4_K.gguf"
+    write_gguf(arch, "Q4_K", path)
+    check_q4_k(path, lambda: _hf_gguf(path), capsys)

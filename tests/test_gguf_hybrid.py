@@ -1,5 +1,5 @@
-"""GGUF files of Gemma 4 (`gemma4`) and the Qwen3.5 hybrid (`qwen35`, `qwen35moe`) in every storage type the
-other families are checked in.
+"""GGUF files of Gemma 4 (`gemma4`, dense and mixture-of-experts) and the Qwen3.5 hybrid (`qwen35`,
+`qwen35moe`) in every storage type the other families are checked in (Q4_K: `test_gguf_hybrid_q4_k`).
 
 Each file is written here from a tiny random transformers model the way llama.cpp's converter
 (convert_hf_to_gguf.py: Gemma4Model, Qwen3_5TextModel, Qwen3_5MoeTextModel) writes one:
@@ -30,7 +30,17 @@ import torch
 
 from dflash_torch.decoding.speculative import generate_tokens
 
-from .test_gguf import BASE, IDS, TYPES, _quantized_activations, _tokenizer
+from .test_gguf import (
+    BASE,
+    IDS,
+    K_SIZES,
+    TYPES,
+    _quantized_activations,
+    _tokenizer,
+    block_quantize,
+    check_q4_k,
+    k_quant_type,
+)
 
 GEMMA4 = dict(num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=4, final_logit_softcapping=30.0,
               layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
@@ -51,11 +61,14 @@ FAMILIES = {"gemma4": ("Gemma4TextConfig", GEMMA4), "qwen35": ("Qwen3_5TextConfi
 GGUF_ARCH = {"gemma4moe": "gemma4"}
 
 
-def _model(arch: str, seed: int = 0):
+def _model(arch: str, seed: int = 0, qtype: str = "F32"):
+    """The tiny random model of `arch` (a FAMILIES name), as wide as a `qtype` file needs (`K_SIZES` for
+    Q4_K); its settings, with BASE's, in `model.settings`."""
     import transformers
 
     cls, settings = FAMILIES[arch]
-    config = getattr(transformers, cls)(**{**BASE, **settings})
+    settings = {**BASE, **(K_SIZES if qtype == "Q4_K" else {}), **settings}
+    config = getattr(transformers, cls)(**settings)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():  # norms, biases, scalars away from their init values, so a mix-up shows
@@ -63,6 +76,7 @@ def _model(arch: str, seed: int = 0):
             if p.ndim == 1 and p.is_floating_point() and "rotary" not in name:
                 p.add_(torch.randn_like(p) * 0.2)
         model.lm_head.weight.mul_(4)  # logits far apart: greedy text is not one repeated token
+    model.settings = settings
     return model
 
 
@@ -114,12 +128,12 @@ def _gguf_name(arch: str, key: str, name_map) -> str:
     return f"{name_map.get_name(base)}.{suffix}"
 
 
-def _stored(name: str, a: np.ndarray, qtype: str) -> str:
+def _stored(name: str, a: np.ndarray, qtype: str, tied: bool = False) -> str:
     """The type llama.cpp stores a tensor in for a file of `qtype`: 1-D tensors, the conv kernel (rows of 4)
-    and the MoE router in F32, the rest in `qtype`."""
+    and the MoE router in F32, the rest in `qtype` (Q4_K files: `k_quant_type`; `tied`: no output matrix)."""
     if a.ndim == 1 or qtype == "F32" or "ssm_conv1d" in name or name.endswith("ffn_gate_inp.weight"):
         return "F32"
-    return qtype
+    return k_quant_type(name, a, tied) if qtype == "Q4_K" else qtype
 
 
 def _round_to_file(model, arch: str, qtype: str) -> None:
@@ -140,13 +154,14 @@ def _round_to_file(model, arch: str, qtype: str) -> None:
                 name = "x.ffn_gate_exps.weight"
             else:
                 name = _gguf_name(arch, key, name_map)
-            if _stored(name, _qwen35_tensor(key, a, model.config), qtype) == "F32":
+            kind = _stored(name, _qwen35_tensor(key, a, model.config), qtype, model.config.tie_word_embeddings)
+            if kind == "F32":
                 continue
-            if qtype == "F16":
+            if kind == "F16":
                 t.copy_(t.half().float())
             else:
-                kind = gguf.GGMLQuantizationType[qtype]
-                t.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, kind), kind)))
+                raw = block_quantize(a, kind)
+                t.copy_(torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).reshape(t.shape))
 
 
 def write_gguf(arch: str, qtype: str, path, model) -> None:
@@ -155,7 +170,7 @@ def write_gguf(arch: str, qtype: str, path, model) -> None:
     import gguf
 
     c = model.config
-    variant, arch = arch, GGUF_ARCH.get(arch, arch)
+    arch = GGUF_ARCH.get(arch, arch)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")
     w.add_context_length(c.max_position_embeddings)
@@ -169,7 +184,7 @@ def write_gguf(arch: str, qtype: str, path, model) -> None:
     w.add_head_count(c.num_attention_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if arch == "gemma4":
-        g = {**BASE, **FAMILIES[variant][1]}  # (per-layer sizes: Gemma 4's config does not give them globally)
+        g = model.settings  # (per-layer sizes: Gemma 4's config does not give them globally)
         swa = [t == "sliding_attention" for t in c.layer_types]
         first_shared = c.num_hidden_layers - c.num_kv_shared_layers
         if g["use_double_wide_mlp"]:  # (llama.cpp writes the per-layer array only then)
@@ -241,14 +256,13 @@ def write_gguf(arch: str, qtype: str, path, model) -> None:
             (c.hidden_size, 2 * c.hidden_size)).astype(np.float32)
         tensors[f"blk.{c.num_hidden_layers}.attn_norm.weight"] = np.ones(c.hidden_size, np.float32)
     for name, a in tensors.items():
-        kind = _stored(name, a, qtype)
+        kind = _stored(name, a, qtype, c.tie_word_embeddings)
         if kind == "F32":
             w.add_tensor(name, a.astype(np.float32))
         elif kind == "F16":
             w.add_tensor(name, a.astype(np.float16))
         else:
-            t = gguf.GGMLQuantizationType[kind]
-            w.add_tensor(name, gguf.quants.quantize(a, t), raw_dtype=t)
+            w.add_tensor(name, block_quantize(a, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -379,7 +393,6 @@ def _check_against_hf_directory(arch: str, qtype: str, tmp_path) -> None:
     """The tiny model of `arch` (a FAMILIES name), its weights rounded to `qtype`, saved as an HF directory and
     written as llama.cpp would: the file holds the rounded values (transformed as llama.cpp transforms them),
     and the engine on the file matches the engine and transformers on the directory (`_check`)."""
-    import gguf
     import transformers
 
     from dflash_torch.generate import load
@@ -390,19 +403,7 @@ def _check_against_hf_directory(arch: str, qtype: str, tmp_path) -> None:
     model.save_pretrained(str(hf_dir))
     path = tmp_path / f"tiny-{arch}.{qtype}.gguf"
     write_gguf(arch, qtype, path, model)
-    # the rounding is the file's: each stored tensor dequantizes to the rounded model's values, transformed
-    writer_view = {}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        writer_view[t.name] = gguf.quants.dequantize(t.data, t.tensor_type)
-    enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == GGUF_ARCH.get(arch, arch))
-    name_map = gguf.get_tensor_name_map(enum, 4)
-    for key, t in model.state_dict().items():
-        # (Qwen's gate/up expert stack is written as two tensors; the tied head is not written)
-        if not key.endswith("mlp.experts.gate_up_proj") and not (key == "lm_head.weight"
-                                                                  and model.config.tie_word_embeddings):
-            expected = _qwen35_tensor(key, t.numpy(), model.config)
-            np.testing.assert_array_equal(writer_view[_gguf_name(arch, key, name_map)].reshape(expected.shape),
-                                          expected.astype(np.float32), err_msg=key)
+    _assert_file_holds(model, arch, path)
     quantize = qtype.lower() if qtype.startswith("Q") else "none"
     pipe = load(str(path), None, "cpu", quiet=True, quantize=quantize)
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
@@ -451,3 +452,47 @@ def test_gguf_gemma4_moe_split_experts_say_so(tmp_path, monkeypatch):
                                                  r"gate and up stacks apart"):
         loading.resolve_model(str(path))
     assert not list((tmp_path / "home").glob("models/*"))
+
+
+def _assert_file_holds(model, arch: str, path) -> None:
+    """The rounding is the file's: each stored tensor dequantizes to the (rounded) model's values, transformed
+    as llama.cpp transforms them."""
+    import gguf
+
+    writer_view = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        writer_view[t.name] = gguf.quants.dequantize(t.data, t.tensor_type)
+    enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == GGUF_ARCH.get(arch, arch))
+    name_map = gguf.get_tensor_name_map(enum, 4)
+    for key, t in model.state_dict().items():
+        # (Qwen's gate/up expert stack is written as two tensors; the tied head is not written)
+        if not key.endswith("mlp.experts.gate_up_proj") and not (key == "lm_head.weight"
+                                                                  and model.config.tie_word_embeddings):
+            expected = _qwen35_tensor(key, t.numpy(), model.config)
+            np.testing.assert_array_equal(writer_view[_gguf_name(arch, key, name_map)].reshape(expected.shape),
+                                          expected.astype(np.float32), err_msg=key)
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "qwen35", "qwen35moe", "gemma4moe"])
+def test_gguf_hybrid_q4_k(arch, tmp_path, monkeypatch, capsys):
+    """A Q4_K_M-style file (tests/test_gguf.py's `k_quant_type`) of Gemma 4 (dense: against transformers' GGUF
+    loading of it) and of Qwen3.5 / 3.5-MoE / Gemma 4 MoE (against the HF directory of the model, its weights
+    rounded to the file's dequantized values): `check_q4_k`."""
+    import transformers
+
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    model = _model(arch, qtype="Q4_K")
+    path = tmp_path / f"tiny-{arch}.Q4_K.gguf"
+    # written first, then rounded: a Q4_K encoding of already-rounded values need not give the same values
+    # again (its scales come from each sub-block's range), and llama.cpp's moves of whole rows commute with
+    # the rounding of each row, so the file holds exactly the rounded model's values (checked)
+    write_gguf(arch, "Q4_K", path, model)
+    if arch == "gemma4":
+        check_q4_k(path, lambda: _hf_gemma4_gguf(path), capsys)
+        return
+    _round_to_file(model, arch, "Q4_K")
+    _assert_file_holds(model, arch, path)
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(str(hf_dir))
+    check_q4_k(path, lambda: transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+               .eval(), capsys)
