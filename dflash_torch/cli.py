@@ -291,7 +291,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for package, use in (("flash-linear-attention", "Qwen3.5 Gated DeltaNet kernels on CUDA"),
                          ("llama-cpp-python", "dflash bench --peer llamacpp"),
                          ("llguidance", "structured output: response_format, --json-schema, --regex"),
-                         ("transformers", "tokenizers and chat templates, dflash bench --peer hf, training data")):
+                         ("transformers", "GGUF conversion, other tokenizers, --peer hf, training data")):
         try:
             found = version(package)
         except PackageNotFoundError:

@@ -171,6 +171,7 @@ def load(
     path = loading.resolve_model(model)
     config = json.loads((path / "config.json").read_text())
     head = quantize  # the LM head's format: as the other layers' unless --quantize auto says otherwise
+    as_stored = quantize == "auto"  # each block-stored matrix in its own format (loading.load_target)
     if quantize == "auto":
         quantize, head = loading.auto_quantize(config, dev)
         if quantize and not quiet:
@@ -183,7 +184,7 @@ def load(
 
     # in a block format: the layers a GGUF file stores in it are built from its blocks, never in float
     blocks = (quantize, head or quantize) if quantize in BLOCK_FORMATS else None
-    target = loading.load_target(path, dev, dt, blocks=blocks)
+    target = loading.load_target(path, dev, dt, blocks=blocks, as_stored=as_stored)
     quantizer = None
     if quantize is not None:
         from .models.quantize import BLOCK_FORMATS, quantize_blocks, quantize_int4, quantize_int8

@@ -312,13 +312,15 @@ def iter_blocks(path: Path):
 
 
 def load_target(path: Path, device: torch.device, dtype: torch.dtype,
-                blocks: tuple[str, str] | None = None) -> torch.nn.Module:
+                blocks: tuple[str, str] | None = None, as_stored: bool = False) -> torch.nn.Module:
     """Build the target model of the family named by config.json and load its weights.
 
     A converted GGUF's block-stored matrices (`read_blocks`) are dequantized to `dtype`, except where
     `blocks` = (the layers' format, the LM head's) says they will run in the format they are stored in
     (CPU): those become `BlockLinear`s straight from their bytes, and a block-stored token embedding a
-    `BlockEmbedding`, so the model never exists in float (`generate.load` asks for it)."""
+    `BlockEmbedding`, so the model never exists in float (`generate.load` asks for it). `as_stored`
+    (`--quantize auto`): every block-stored matrix stays in its own format, whichever `blocks` names (a
+    Q4_K_M file's Q4_K matrices as q4_1 beside its Q6_K ones as q8_0, not requantized into one format)."""
     from .kernels import pack
 
     config = json.loads((path / "config.json").read_text())
@@ -339,7 +341,7 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype,
         head = name == "lm_head.weight" or (name == "model.embed_tokens.weight" and config.get("tie_word_embeddings"))
         # an embedding stays in its blocks whatever their format (rows are only looked up), as does a
         # matrix stored in the format its layers run in
-        if blocks is not None and device.type == "cpu" and (_is_embedding(model, name)
+        if blocks is not None and device.type == "cpu" and (as_stored or _is_embedding(model, name)
                                                             or fmt == blocks[1 if head else 0]):
             _keep_block(model, name, fmt, raw, state, dtype, blocks[1])
         else:

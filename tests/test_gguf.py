@@ -429,7 +429,8 @@ def assert_converted_within_rounding(model_dir, theirs: dict) -> None:
 def check_q4_k(path, reference, capsys) -> None:
     """A Q4_K file (`k_quant_type`) against `reference` (a function giving a fresh transformers model on the
     file's own values): with --quantize none the engine's logits equal it to float32 rounding; with
-    --quantize auto every Q4_K matrix runs as converted q4_1 blocks (the banner says so), each converted
+    --quantize auto every Q4_K matrix runs as converted q4_1 blocks (the banner says so) and every other kept
+    matrix in its own format, each converted
     matrix within its format's rounding of the file's values, the logits those of transformers on the
     converted weights with its linear layers' inputs quantized as the kernels do (float32 rounding plus
     flipped activation roundings, bounded as in `test_gguf_family_matches_transformers`), and greedy
@@ -441,6 +442,7 @@ def check_q4_k(path, reference, capsys) -> None:
     from dflash_torch import gguf_convert
     from dflash_torch.generate import load
     from dflash_torch.kernels import pack
+    from dflash_torch.models.quantize import BlockLinear
 
     ids = torch.tensor([IDS])
     none = load(str(path), None, "cpu", quiet=True, quantize="none").target
@@ -464,17 +466,12 @@ def check_q4_k(path, reference, capsys) -> None:
     assert not [n for n, m in pipe.target.named_modules() if isinstance(m, torch.nn.Linear)]
     assert_converted_within_rounding(model_dir, reference().state_dict())
 
-    def run_as(name: str, kind: str, raw: torch.Tensor) -> torch.Tensor:
-        # a matrix runs in the model's format (the head in its own); one kept in another (a Q8_0 matrix of a
-        # Q4_K file) is quantized into it at load, as any float matrix is; embeddings are looked up as kept
-        w = pack.dequantize(raw, kind)
-        fmt = pipe.lm_head if name == "lm_head.weight" else pipe.quantize
-        if "embed_tokens" in name or kind == fmt:
-            return w
-        return pack.dequantize(pack.quantize(w, fmt), fmt)
-
+    # --quantize auto runs every kept matrix in its own format: a Q8_0 matrix of the Q4_K file as q8_0 beside
+    # the q4_1 ones, not requantized into the model's majority format
+    layer_kinds = {kind for name, kind in kept.items() if "embed_tokens" not in name}
+    assert layer_kinds <= {m.fmt for m in pipe.target.modules() if isinstance(m, BlockLinear)}, layer_kinds
     hf = reference()
-    hf.load_state_dict({name: run_as(name, kind, raw) for name, kind, raw in loading.iter_blocks(model_dir)},
+    hf.load_state_dict({name: pack.dequantize(raw, kind) for name, kind, raw in loading.iter_blocks(model_dir)},
                        strict=False)  # on the converted weights, as the block kernels run them
     if getattr(hf.config, "tie_word_embeddings", False):
         hf.tie_weights()

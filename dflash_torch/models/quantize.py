@@ -243,8 +243,8 @@ def _concat(parts: list[nn.Linear]) -> nn.Linear:
 def fuse_projections(model: nn.Module, fits=lambda linear: True, stored: dict | None = None) -> nn.Module:
     """Concatenate q/k/v into `qkv_proj` and gate/up into `gate_up_proj` wherever a module declares
     those slots (llama.Attention, layers.MLP), in place: one matmul and one activation cast instead of
-    three or two. Only layers whose parts all satisfy `fits` are fused, so a quantizer that skips a
-    shape skips the same layers fused or not.
+    three or two. A kind of slot is fused only where every module's parts can be (all satisfy `fits`; in
+    blocks, of one format), so a quantizer that skips a shape skips the same layers fused or not.
 
     Used for quantized targets only: the int8/int4 kernels compute each output column alike whatever
     the matrix it sits in, so fused and separate layers give identical results (tests/test_fast.py),
@@ -253,21 +253,29 @@ def fuse_projections(model: nn.Module, fits=lambda linear: True, stored: dict | 
     `stored` ({layer: (format, GGUF blocks)}, `loading.stored_blocks`) gains the fused layers' blocks:
     their parts' rows, concatenated, where all parts are stored in one format."""
     groups = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
-    for m in model.modules():
-        for fused, names in groups:
-            if not hasattr(m, fused) or getattr(m, fused) is not None:
-                continue
-            parts = [getattr(m, n, None) for n in names]
-            if all(isinstance(p, BlockLinear) for p in parts) and len({p.fmt for p in parts}) == 1 and fits(parts[0]):
-                # kept in their stored blocks (loading.load_target): their rows, concatenated
+
+    def how(parts) -> str | None:
+        if all(isinstance(p, BlockLinear) for p in parts) and len({p.fmt for p in parts}) == 1 and fits(parts[0]):
+            return "blocks"  # kept in their stored blocks (loading.load_target): their rows, concatenated
+        if all(isinstance(p, nn.Linear) and fits(p) for p in parts) and len(
+                {(p.in_features, p.bias is not None) for p in parts}) == 1:
+            return "float"
+        return None
+
+    for fused, names in groups:
+        slots = [(m, [getattr(m, n, None) for n in names]) for m in model.modules()
+                 if hasattr(m, fused) and getattr(m, fused) is None]
+        # all of them or none: the flat decode path takes the layers fused one way throughout (a GGUF
+        # file that stores v in another type than q and k in some layers, as Q4_K_M files do, keeps
+        # q/k/v apart everywhere)
+        if not slots or any(how(parts) is None for _, parts in slots):
+            continue
+        for m, parts in slots:
+            if how(parts) == "blocks":
                 bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
                 setattr(m, fused, BlockLinear(None, parts[0].fmt, torch.cat([p.raw() for p in parts]), bias))
                 for n in names:
                     delattr(m, n)
-                continue
-            if not all(isinstance(p, nn.Linear) and fits(p) for p in parts):
-                continue
-            if len({(p.in_features, p.bias is not None) for p in parts}) != 1:
                 continue
             setattr(m, fused, _concat(parts))
             if stored is not None and all(p in stored for p in parts) and len({stored[p][0] for p in parts}) == 1:
