@@ -263,14 +263,14 @@ def fuse_projections(model: nn.Module, fits=lambda linear: True, stored: dict | 
         return None
 
     for fused, names in groups:
-        slots = [(m, [getattr(m, n, None) for n in names]) for m in model.modules()
-                 if hasattr(m, fused) and getattr(m, fused) is None]
+        slots = [m for m in model.modules() if hasattr(m, fused) and getattr(m, fused) is None]
         # all of them or none: the flat decode path takes the layers fused one way throughout (a GGUF
         # file that stores v in another type than q and k in some layers, as Q4_K_M files do, keeps
         # q/k/v apart everywhere)
-        if not slots or any(how(parts) is None for _, parts in slots):
+        if not slots or any(how([getattr(m, n, None) for n in names]) is None for m in slots):
             continue
-        for m, parts in slots:
+        for m in slots:  # (the parts looked up one module at a time: each is freed once fused)
+            parts = [getattr(m, n) for n in names]
             if how(parts) == "blocks":
                 bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
                 setattr(m, fused, BlockLinear(None, parts[0].fmt, torch.cat([p.raw() for p in parts]), bias))
