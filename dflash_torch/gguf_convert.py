@@ -213,13 +213,36 @@ def _rows_as_hf(w: torch.Tensor, hf: str, heads: int, kv_heads: int, arch: str =
 CONVERTED = {"Q4_K": "q4_1", "Q5_K": "q8_0", "Q6_K": "q8_0"}
 
 
-def _block_format(t, hf: str | None, arch: str = "", config: dict | None = None) -> str | None:
+# A MoE layer's expert stacks [E, N, K] (llama.cpp's names): kept in blocks one expert at a time, gate and up
+# (written apart for Qwen, fused for Gemma 4) concatenated into HF's gate_up_proj where both share a format.
+EXPERT_STACKS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_gate_up_exps.weight", "ffn_down_exps.weight")
+_GATE_UP_APART = {"ffn_gate_exps.weight": "ffn_up_exps.weight", "ffn_up_exps.weight": "ffn_gate_exps.weight"}
+
+
+def _block_format(t, hf: str | None, arch: str = "", config: dict | None = None, reader=None) -> str | None:
     """The block format a matrix is kept in (its own, or `CONVERTED`'s), None for tensors kept in float: 1-D
-    ones, 3-D expert stacks, other types, and those `gguf_families.keeps_blocks` leaves out."""
+    ones, other types, and those `gguf_families.keeps_blocks` leaves out. 3-D expert stacks (`EXPERT_STACKS`)
+    are kept alike, each expert's matrix as its blocks; a gate stack and an up stack written apart only where
+    both become one format (`reader`: the file, to look up the other; without it they are kept in float)."""
+    if hf is None or not gguf_families.keeps_blocks(arch, t.name, config or {}):
+        return None
+    if len(t.shape) == 3 and t.name.endswith(EXPERT_STACKS):
+        suffix = next(s for s in _GATE_UP_APART if t.name.endswith(s)) if t.name.endswith(
+            tuple(_GATE_UP_APART)) else None
+        if suffix is not None:
+            other = t.name.removesuffix(suffix) + _GATE_UP_APART[suffix]
+            partner = next((u for u in reader.tensors if u.name == other), None) if reader is not None else None
+            if partner is None or _type_format(partner) != _type_format(t):
+                return None
+    elif len(t.shape) != 2:
+        return None
+    return _type_format(t)
+
+
+def _type_format(t) -> str | None:
+    """The block format a tensor's type is kept in: its own, or `CONVERTED`'s (None: not a block format)."""
     from .kernels import pack
 
-    if hf is None or len(t.shape) != 2 or not gguf_families.keeps_blocks(arch, t.name, config or {}):
-        return None
     name = t.tensor_type.name
     return name.lower() if name.lower() in pack.FORMATS else CONVERTED.get(name)
 
@@ -228,7 +251,7 @@ def converted_types(reader, names: dict[str, str], config: dict | None = None) -
     """{GGUF type: the block format `_save_blocks` converts it to} for the file's converted matrices."""
     arch = _arch(reader)
     return {t.tensor_type.name: CONVERTED[t.tensor_type.name] for t in reader.tensors
-            if t.tensor_type.name in CONVERTED and _block_format(t, names.get(t.name), arch, config)}
+            if t.tensor_type.name in CONVERTED and _block_format(t, names.get(t.name), arch, config, reader)}
 
 
 def original_matrices(path: Path):
@@ -245,16 +268,22 @@ def original_matrices(path: Path):
 
     reader = gguf.GGUFReader(str(gguf_file))
     names = hf_names(reader, config)
-    tensors = {names[t.name]: t for t in reader.tensors if t.name in names and t.tensor_type.name in CONVERTED}
+    tensors: dict[str, list] = {}  # (an expert gate/up stack: two tensors, gate first)
+    for t in reader.tensors:
+        if t.name in names and t.tensor_type.name in CONVERTED:
+            tensors.setdefault(names[t.name], []).append(t)
+    for parts in tensors.values():
+        parts.sort(key=lambda t: "ffn_up_exps" in t.name)
     arch, heads = _arch(reader), config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
 
     def get(name: str) -> torch.Tensor | None:
-        t = tensors.get(name)
-        if t is None:
-            return None
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-        return _rows_as_hf(w, name, heads, kv_heads, arch, t.name, config).contiguous()
+        parts = tensors.get(name)
+        if parts is None or (len(parts) < 2 and parts[0].name.endswith(tuple(_GATE_UP_APART))):
+            return None  # (gate and up apart, only one of them a K-quant: the blocks stand in)
+        ws = [_rows_as_hf(torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float(),
+                          name, heads, kv_heads, arch, t.name, config) for t in parts]
+        return torch.cat(ws, dim=-2).contiguous()  # (gate and up experts: rows [E, 2I, H])
 
     return get
 
@@ -269,7 +298,7 @@ def gguf_group_types(reader, names: dict[str, str], config: dict | None = None) 
         group = loading._group(hf) if hf else None
         if group is not None:
             kind = t.tensor_type.name
-            if kind in CONVERTED and _block_format(t, hf, arch, config):
+            if kind in CONVERTED and _block_format(t, hf, arch, config, reader):
                 kind = f"{kind} -> {CONVERTED[kind]} (converted)"
             found.setdefault(group, set()).add(kind)
     if "LM head" not in found and "token embedding" in found:
@@ -302,7 +331,7 @@ def _float_state(reader, config: dict, names: dict[str, str]) -> dict[str, torch
     state, experts = {}, {}
     for t in tqdm(reader.tensors, desc="reading", unit="tensor", file=sys.stderr):
         hf = names.get(t.name)
-        if hf is None or _block_format(t, hf, arch, config):
+        if hf is None or _block_format(t, hf, arch, config, reader):
             continue
         w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
         if arch in _NORM_PLUS_ONE and t.name.endswith("norm.weight"):
@@ -318,31 +347,46 @@ def _float_state(reader, config: dict, names: dict[str, str]) -> dict[str, torch
 
 def _save_blocks(reader, config: dict, out: Path, names: dict[str, str]) -> None:
     """The file's matrices in the block kernels' formats, as uint8 blocks [N, K/32 * bytes] under their HF
-    names, rows in HF's order; the format of each in the metadata. Those the file stores in one are its
-    bytes as they are; K-quants (`CONVERTED`) are dequantized and quantized into theirs by gguf's quantizer
-    (llama.cpp's reference), once."""
+    names, rows in HF's order (expert stacks [E, N, K/32 * bytes]); the format of each in the metadata. Those
+    the file stores in one are its bytes as they are; K-quants (`CONVERTED`) are dequantized and quantized
+    into theirs by gguf's quantizer (llama.cpp's reference), once, one matrix (one expert) at a time."""
+    arch = _arch(reader)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    blocks, formats, apart = {}, {}, {}
+    for t in reader.tensors:
+        hf = names.get(t.name)
+        fmt = _block_format(t, hf, arch, config, reader)
+        if fmt is None:
+            continue
+        if len(t.shape) == 3:  # an expert stack: each expert's matrix as blocks [E, N, K/32 * bytes]
+            raw = torch.stack([_matrix_blocks(t, t.data[e], fmt, hf, heads, kv_heads, arch, config)
+                               for e in range(t.data.shape[0])])
+            if t.name.endswith(tuple(_GATE_UP_APART)):  # gate and up [E, I, ...] -> HF's gate_up [E, 2I, ...]
+                apart.setdefault(hf, {})["up" if "ffn_up_exps" in t.name else "gate"] = raw
+                if len(apart[hf]) < 2:
+                    continue
+                parts = apart.pop(hf)
+                raw = torch.cat([parts["gate"], parts["up"]], dim=1)
+            blocks[hf], formats[hf] = raw.contiguous(), fmt
+            continue
+        blocks[hf], formats[hf] = _matrix_blocks(t, t.data, fmt, hf, heads, kv_heads, arch, config).contiguous(), fmt
+    save_file(blocks, str(out), metadata={"formats": json.dumps(formats)})
+
+
+def _matrix_blocks(t, data, fmt: str, hf: str, heads: int, kv_heads: int, arch: str, config: dict) -> torch.Tensor:
+    """One matrix `data` (GGUF rows of tensor `t`'s type) as blocks of `fmt` [N, K/32 * bytes] in HF's layout:
+    its bytes, or (a K-quant) dequantized and quantized into `fmt`, this matrix only."""
     import gguf
     import numpy as np
 
     from .kernels import pack
 
-    arch = _arch(reader)
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    blocks, formats = {}, {}
-    for t in reader.tensors:
-        hf = names.get(t.name)
-        fmt = _block_format(t, hf, arch, config)
-        if fmt is None:
-            continue
-        if t.tensor_type.name in CONVERTED:
-            w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-            raw = pack.quantize(_rows_as_hf(w, hf, heads, kv_heads, arch, t.name, config), fmt)
-        else:
-            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # out of the memmap
-            raw = _rows_as_hf(raw, hf, heads, kv_heads, arch, t.name, config, pack.block_bytes(fmt))
-        blocks[hf], formats[hf] = raw.contiguous(), fmt
-    save_file(blocks, str(out), metadata={"formats": json.dumps(formats)})
+    if t.tensor_type.name in CONVERTED:
+        w = torch.from_numpy(gguf.quants.dequantize(data, t.tensor_type).copy()).float()
+        return pack.quantize(_rows_as_hf(w, hf, heads, kv_heads, arch, t.name, config), fmt)
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8))  # out of the memmap
+    return _rows_as_hf(raw, hf, heads, kv_heads, arch, t.name, config, pack.block_bytes(fmt))
 
 
 def convert_gguf(path: Path) -> Path:

@@ -91,6 +91,7 @@ _GROUPS = (("attention q/k/v", ("self_attn.q_proj", "self_attn.k_proj", "self_at
            ("attention output", ("self_attn.o_proj",)),
            ("MLP gate/up", ("mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj")),
            ("MLP down", ("mlp.down_proj",)),
+           ("experts", ("experts.gate_up_proj", "experts.down_proj")),
            ("token embedding", ("embed_tokens",)),
            ("LM head", ("lm_head",)))
 
@@ -103,15 +104,20 @@ def _group(name: str) -> str | None:
 def weight_report(model: torch.nn.Module, config: dict) -> list[str]:
     """One line per group of matrices: what the file stores (a GGUF file's type, where known) -> what the
     engine runs it as (a block format, int4 / int8, or a float dtype)."""
-    from .models.quantize import BlockEmbedding, BlockLinear, Int4Linear, Int8Linear
+    from .models.moe import Experts
+    from .models.quantize import BlockEmbedding, BlockLinear, BlockStack, Int4Linear, Int8Linear
 
     stored = config.get("gguf_group_types") or {}
     became: dict[str, set[str]] = {}
     for name, m in model.named_modules():
+        if isinstance(m, Experts):  # its stacks in float (3-D parameters); those in blocks are BlockStacks
+            for w in (m.gate_up_proj, m.down_proj):
+                if isinstance(w, torch.Tensor):
+                    became.setdefault("experts", set()).add(str(w.dtype).removeprefix("torch."))
         group = _group(name)
         if group is None:
             continue
-        if isinstance(m, BlockLinear):
+        if isinstance(m, (BlockLinear, BlockStack)):
             kind = f"{m.fmt} (block kernels)"
         elif isinstance(m, BlockEmbedding):
             kind = f"{m.fmt} (rows dequantized as looked up)"
@@ -154,7 +160,7 @@ def stored_blocks(model: torch.nn.Module, path: Path) -> dict[torch.nn.Module, t
         found["lm_head.weight"] = found["model.embed_tokens.weight"]
     out = {}
     for name, m in model.named_modules():
-        entry = found.get(f"{name}.weight")
+        entry = found.get(f"{name}.weight")  # (expert stacks, 3-D, are BlockStacks already: load_target)
         if isinstance(m, torch.nn.Linear) and entry is not None:
             fmt, raw = entry
             if raw.shape == (m.out_features, m.in_features // pack.QK * pack.block_bytes(fmt)):
@@ -257,6 +263,19 @@ def read_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def dequantize_blocks(raw: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The float32 values GGUF blocks stand for: a matrix's [N, K/32 * bytes] -> [N, K], an expert stack's
+    [E, N, K/32 * bytes] -> [E, N, K] (one expert at a time)."""
+    from .kernels import pack
+
+    if raw.dim() == 2:
+        return pack.dequantize(raw, fmt)
+    out = torch.empty(*raw.shape[:2], raw.shape[2] // pack.block_bytes(fmt) * pack.QK)
+    for e in range(raw.shape[0]):
+        out[e] = pack.dequantize(raw[e], fmt)
+    return out
+
+
 def read_blocks(path: Path) -> dict[str, tuple[str, torch.Tensor]]:
     """{HF name: (format, GGUF blocks [N, K/32 * bytes])} of a converted GGUF's matrices stored in the block
     kernels' formats (`BLOCKS_FILE`); empty for other directories."""
@@ -338,6 +357,17 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype,
     for name, fmt, raw in iter_blocks(path):  # one at a time: only the kept bytes stay
         if name in state:  # an older cache's float copy
             continue
+        if raw.dim() == 3:  # an expert stack: in blocks wherever the model runs on the block kernels
+            if blocks is not None and device.type == "cpu":
+                _keep_stack(model, name, fmt, raw, fmt if as_stored else blocks[0])
+                continue
+            if original is None:
+                from .gguf_convert import original_matrices
+
+                original = original_matrices(path)
+            exact = original(name)
+            state[name] = (exact if exact is not None else dequantize_blocks(raw, fmt)).to(dtype)
+            continue
         head = name == "lm_head.weight" or (name == "model.embed_tokens.weight" and config.get("tie_word_embeddings"))
         # an embedding stays in its blocks whatever their format (rows are only looked up), as does a
         # matrix stored in the format its layers run in
@@ -365,6 +395,23 @@ def load_target(path: Path, device: torch.device, dtype: torch.dtype,
         print(f"dflash: ignoring {len(unexpected)} unused weights, e.g. {unexpected[:3]}", file=sys.stderr)
     model.post_load()
     return model.to(device=device).eval()
+
+
+def _keep_stack(model: torch.nn.Module, name: str, fmt: str, raw: torch.Tensor, run_as: str) -> None:
+    """Put the expert stack `name` (a `moe.Experts` parameter) in place as a `quantize.BlockStack` of its
+    blocks `raw` [E, N, K/32 * bytes] in format `run_as`: the stored bytes where it is `fmt`, else each expert
+    dequantized and quantized into `run_as` on its own (the stack never exists in float)."""
+    from .kernels import pack
+    from .models.quantize import BlockStack
+
+    parent, _, attr = name.rpartition(".")
+    owner = model.get_submodule(parent)
+    if fmt == run_as:
+        stack = BlockStack(fmt, raw.shape[0], raw)
+    else:
+        stack = BlockStack(run_as, raw.shape[0], (pack.quantize(pack.dequantize(r, fmt), run_as) for r in raw))
+    delattr(owner, attr)
+    setattr(owner, attr, stack)
 
 
 def _is_embedding(model: torch.nn.Module, name: str) -> bool:
@@ -406,7 +453,6 @@ def hf_model(path: Path, dtype: torch.dtype):
     (the floats the file stands for, as `--quantize none` loads them)."""
     import transformers
 
-    from .kernels import pack
 
     path = Path(path)
     if not (path / BLOCKS_FILE).is_file():
@@ -420,7 +466,7 @@ def hf_model(path: Path, dtype: torch.dtype):
     for name, fmt, raw in iter_blocks(path):
         if name not in state:
             exact = original(name)
-            state[name] = exact if exact is not None else pack.dequantize(raw, fmt)
+            state[name] = exact if exact is not None else dequantize_blocks(raw, fmt)
     missing, _ = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing:

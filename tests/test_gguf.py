@@ -208,16 +208,35 @@ def _quantized_activations(model, fmt: str):
     q = round(x / d): `kernels.reference.quantize_act`), so that transformers computes what the engine's
     block formats compute (integer block dot products are exact; the rest is float32 rounding). A MoE
     router (Qwen's, Gemma 4's projection), stored in F32 but run by the engine in the layers' format `fmt`,
-    gets its weight quantized too."""
+    gets its weight quantized too. The experts' two matmuls (3-D stacks, not nn.Linear: the engine runs them
+    on the block kernels too) get their inputs rounded alike; their weights are the model's own (set them to
+    the blocks' dequantized values where those differ from the file's)."""
+    import types
+
+    import torch.nn.functional as F
+
     from dflash_torch.kernels import pack, reference
 
-    def hook(_module, args):
-        x = args[0]
+    def act(x):
         flat = x.reshape(-1, x.shape[-1])
         q, d, _ = reference.quantize_act(flat)
-        return ((q.float().reshape(flat.shape[0], -1, 32) * d[..., None]).reshape(x.shape),)
+        return (q.float().reshape(flat.shape[0], -1, 32) * d[..., None]).reshape(x.shape)
+
+    def hook(_module, args):
+        return (act(args[0]),)
+
+    def experts(self, hidden_states, top_k_index, top_k_weights):  # transformers' loop, inputs rounded
+        out = torch.zeros_like(hidden_states)
+        for e in top_k_index.unique().tolist():
+            token, slot = torch.where(top_k_index == e)
+            gate, up = F.linear(act(hidden_states[token]), self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(act(self.act_fn(gate) * up), self.down_proj[e]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
 
     for m in model.modules():
+        if type(m).__name__.endswith("Experts") and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor):
+            m.forward = types.MethodType(experts, m)
         if type(m).__name__.endswith("TopKRouter"):  # not an nn.Linear, but one to the engine
             with torch.no_grad():
                 m.weight.copy_(pack.dequantize(pack.quantize(m.weight, fmt), fmt))
@@ -227,6 +246,18 @@ def _quantized_activations(model, fmt: str):
         if isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("TopKRouter"):
             m.register_forward_pre_hook(hook)
     return model
+
+
+def assert_experts_in_blocks(model) -> int:
+    """Every expert stack of the engine's `model` is held in GGUF blocks (`quantize.BlockStack`: one packed
+    matrix per expert, run on the block kernels), none in float; returns how many stacks there are."""
+    from dflash_torch.models.moe import Experts
+    from dflash_torch.models.quantize import BlockStack
+
+    stacks = [(n, getattr(m, s)) for n, m in model.named_modules() if isinstance(m, Experts)
+              for s in ("gate_up_proj", "down_proj")]
+    assert all(isinstance(w, BlockStack) for _, w in stacks), [n for n, w in stacks if not isinstance(w, BlockStack)]
+    return len(stacks)
 
 
 IDS = [1, 17, 250, 3, 99, 17, 250, 3, 99, 400, 12, 7]  # longer than Gemma's window (4); a repeat for lookup
@@ -270,6 +301,8 @@ def test_gguf_family_matches_transformers(arch, qtype, tmp_path, monkeypatch):
         # |transformers quantized - transformers float|.
         bound = (quantized - theirs).abs().max().item() + 1e-4 * scale
         torch.testing.assert_close(ours, quantized, rtol=0, atol=bound)
+        if arch == "qwen3moe":  # the experts in the file's blocks, on the block kernels, never in float
+            assert assert_experts_in_blocks(pipe.target) == 2 * BASE["num_hidden_layers"]
     prompt = IDS
     plain, fast = Stats(), Stats()
     a = list(generate_tokens(pipe.target, prompt, max_new_tokens=24, stats=plain))
@@ -441,7 +474,6 @@ def check_q4_k(path, reference, capsys) -> None:
 
     from dflash_torch import gguf_convert
     from dflash_torch.generate import load
-    from dflash_torch.kernels import pack
     from dflash_torch.models.quantize import BlockLinear
 
     ids = torch.tensor([IDS])
@@ -460,10 +492,12 @@ def check_q4_k(path, reference, capsys) -> None:
     reader = gguf.GGUFReader(str(path))
     names = gguf_convert.hf_names(reader, json.loads((model_dir / "config.json").read_text()))
     q4_k = {names[t.name] for t in reader.tensors  # (of the tensors the engine reads: not Qwen3.5's MTP block)
-            if t.tensor_type.name == "Q4_K" and len(t.shape) == 2 and t.name in names}
+            if t.tensor_type.name == "Q4_K" and len(t.shape) in (2, 3) and t.name in names}  # (3-D: experts)
     kept = {name: kind for name, kind, _ in loading.iter_blocks(model_dir)}
     assert q4_k and {n for n, k in kept.items() if k == "q4_1"} == q4_k
     assert not [n for n, m in pipe.target.named_modules() if isinstance(m, torch.nn.Linear)]
+    if any(len(t.shape) == 3 for t in reader.tensors):  # a MoE file: its expert stacks in blocks too
+        assert assert_experts_in_blocks(pipe.target) > 0
     assert_converted_within_rounding(model_dir, reference().state_dict())
 
     # --quantize auto runs every kept matrix in its own format: a Q8_0 matrix of the Q4_K file as q8_0 beside
@@ -471,8 +505,8 @@ def check_q4_k(path, reference, capsys) -> None:
     layer_kinds = {kind for name, kind in kept.items() if "embed_tokens" not in name}
     assert layer_kinds <= {m.fmt for m in pipe.target.modules() if isinstance(m, BlockLinear)}, layer_kinds
     hf = reference()
-    hf.load_state_dict({name: pack.dequantize(raw, kind) for name, kind, raw in loading.iter_blocks(model_dir)},
-                       strict=False)  # on the converted weights, as the block kernels run them
+    hf.load_state_dict({name: loading.dequantize_blocks(raw, kind) for name, kind, raw in loading.iter_blocks(
+        model_dir)}, strict=False)  # on the converted weights (expert stacks too), as the block kernels run them
     if getattr(hf.config, "tie_word_embeddings", False):
         hf.tie_weights()
     with torch.inference_mode():

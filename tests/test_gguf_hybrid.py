@@ -37,6 +37,7 @@ from .test_gguf import (
     TYPES,
     _quantized_activations,
     _tokenizer,
+    assert_experts_in_blocks,
     block_quantize,
     check_q4_k,
     k_quant_type,
@@ -343,6 +344,9 @@ def _check(pipe, path, reference, quantize: str) -> None:
 
         tables = [m for m in pipe.target.modules() if isinstance(m, (torch.nn.Embedding, BlockEmbedding))]
         assert tables and all(isinstance(m, BlockEmbedding) for m in tables)
+        # and no expert stack in float: each expert's matrices in the file's blocks, on the block kernels
+        if "moe" in path.name:
+            assert assert_experts_in_blocks(pipe.target) > 0
         with torch.inference_mode():
             ours = pipe.target(ids, pipe.target.new_cache(64), logits="all").logits
             quantized = _quantized_activations(reference, quantize)(ids).logits

@@ -17,7 +17,12 @@ from .layers import ACTIVATIONS, MLP, Linear
 
 
 class Experts(nn.Module):
-    """Expert MLPs stored as 3-D tensors: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    """Expert MLPs stored as 3-D tensors: gate_up_proj [E, 2I, H], down_proj [E, H, I]; or either stack in GGUF
+    blocks (`quantize.BlockStack`: one packed matrix per expert, on the block kernels), as a GGUF file's
+    block-stored experts load (`loading.load_target`) and `quantize.quantize_blocks` quantizes float ones.
+    Each token's output is computed alike whatever the other tokens routed with it (the block kernels'
+    rows are independent, and a token's experts are summed in ascending order), so verify passes reproduce
+    decode steps bit for bit on blocks."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
@@ -31,10 +36,15 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for e in index.unique().tolist():
             token, slot = torch.where(index == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+            gate, up = _mm(x[token], self.gate_up_proj, e).chunk(2, dim=-1)
+            y = _mm(self.act(gate) * up, self.down_proj, e) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
+
+
+def _mm(x: torch.Tensor, stack, e: int) -> torch.Tensor:
+    """x [M, K] @ expert e's matrix^T, of a float stack [E, N, K] or of blocks (a module: `quantize.BlockStack`)."""
+    return stack(x, e) if isinstance(stack, nn.Module) else F.linear(x, stack[e])
 
 
 class QwenMoeBlock(nn.Module):

@@ -158,6 +158,60 @@ class BlockLinear(nn.Module):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
+class BlockStack(nn.Module):
+    """A stack of E frozen expert matrices [E, N, K] in one GGUF block format (a mixture-of-experts layer's
+    gate/up or down stack, `moe.Experts`), one packed matrix per expert: row e of `packed` [E, bytes] is
+    expert e's blocks in the kernels' layout. `forward(x, e)` is x [M, K] @ W_e^T on the block kernels,
+    float32 (cast back to x's dtype), each row computed alike whatever the other rows."""
+
+    def __init__(self, fmt: str, num_experts: int, raws) -> None:
+        """From the experts' GGUF blocks, each [N, K/32 * bytes] (an iterable of `num_experts`: a 3-D tensor
+        of blocks, or blocks made one expert at a time, so that no stack of dequantized floats exists)."""
+        super().__init__()
+        if fmt not in BLOCK_FORMATS:
+            raise ValueError(f"unknown block format {fmt!r} (choose {', '.join(BLOCK_FORMATS)})")
+        kernels.ensure()
+        self.fmt, self.code, self.num_experts = fmt, BLOCK_FORMATS.index(fmt), num_experts
+        packed = None
+        for e, raw in enumerate(raws):
+            one = pack.pack(raw, fmt)
+            if packed is None:
+                self.out_features = raw.shape[0]
+                self.in_features = raw.shape[1] // pack.block_bytes(fmt) * pack.QK
+                packed = torch.empty(num_experts, one.numel(), dtype=torch.uint8)
+            packed[e] = one
+        if packed is None or e != num_experts - 1:
+            raise ValueError(f"expected the blocks of {num_experts} experts")
+        self.register_buffer("packed", packed)  # [E, packed bytes]
+
+    def raw(self, e: int) -> torch.Tensor:
+        """Expert e's GGUF blocks [N, K/32 * bytes], exactly as given."""
+        return pack.unpack(self.packed[e], self.fmt, self.out_features, self.in_features)
+
+    def weight(self, e: int) -> torch.Tensor:
+        """Expert e's dequantized weight [N, K] in float32 (what its blocks stand for)."""
+        return pack.dequantize(self.raw(e), self.fmt)
+
+    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        y = torch.ops.dflash.block_mm(x.contiguous(), self.packed[e], self.code, self.out_features, -1)
+        return y.to(x.dtype)
+
+
+def quantize_experts(model: nn.Module, fmt: str) -> nn.Module:
+    """Replace the float expert stacks of every `moe.Experts` of `model` (3-D parameters) by `BlockStack`s in
+    format `fmt`, quantized one expert at a time; stacks already in blocks stay as they are."""
+    from .moe import Experts
+
+    for m in model.modules():
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(m, name, None) if isinstance(m, Experts) else None
+            if isinstance(w, torch.Tensor) and w.dim() == 3 and w.shape[-1] % pack.QK == 0:
+                stack = BlockStack(fmt, w.shape[0], (pack.quantize(w[e], fmt) for e in range(w.shape[0])))
+                delattr(m, name)
+                setattr(m, name, stack)
+    return model
+
+
 class BlockEmbedding(nn.Module):
     """A token embedding kept in GGUF blocks (`loading.load_target`): the rows of the looked-up tokens are
     dequantized as they are looked up, so the table never exists in float (SmolLM2's: 113 MB in float32,
@@ -361,6 +415,7 @@ def quantize_blocks(model: nn.Module, fmt: str, fuse: bool = True, head: str | N
     if isinstance(lm, nn.Linear) and block_fits(lm):
         model.lm_head = blocks(lm, head)
     _replace_linears(model, lambda lin: blocks(lin, fmt) if block_fits(lin) else None)
+    quantize_experts(model, fmt)  # (expert stacks a GGUF file stores in blocks are BlockStacks already)
     attentions = [m for m in model.modules() if hasattr(m, "exact_kernel") and getattr(m, "no_window", False)]
     for m in attentions:  # attention whose result for a query does not depend on the pass
         m.exact_kernel = True
