@@ -429,7 +429,12 @@ def test_gguf_kquants_convert_to_block_formats(qtype, fmt, tmp_path, monkeypatch
         ours = pipe.target(ids, pipe.target.new_cache(64), logits="all").logits
         floats = hf(ids).logits
         quantized = _quantized_activations(hf, fmt)(ids).logits
-    torch.testing.assert_close(ours, quantized, rtol=0, atol=(quantized - floats).abs().max().item() + 1e-4 * scale)
+    # The two sides round the same activations to 8 bits, but float32 differences upstream (a Gated DeltaNet's
+    # recurrence against transformers' chunked form, other vector widths under AVX2) flip some of those
+    # roundings to the neighbouring level: a whole step, where rounding moves a value by at most half of
+    # one. Allowance: twice the rounding's whole effect on the logits, plus float32 rounding.
+    effect = (quantized - floats).abs().max().item()
+    torch.testing.assert_close(ours, quantized, rtol=0, atol=2 * effect + 1e-4 * scale)
     a = list(generate_tokens(pipe.target, IDS, max_new_tokens=24))
     assert a == list(generate_tokens(pipe.target, IDS, max_new_tokens=24, lookup=True)) and len(a) == 24
 
@@ -463,10 +468,9 @@ def check_q4_k(path, reference, capsys) -> None:
     """A Q4_K file (`k_quant_type`) against `reference` (a function giving a fresh transformers model on the
     file's own values): with --quantize none the engine's logits equal it to float32 rounding; with
     --quantize auto every Q4_K matrix runs as converted q4_1 blocks (the banner says so) and every other kept
-    matrix in its own format, each converted
-    matrix within its format's rounding of the file's values, the logits those of transformers on the
-    converted weights with its linear layers' inputs quantized as the kernels do (float32 rounding plus
-    flipped activation roundings, bounded as in `test_gguf_family_matches_transformers`), and greedy
+    matrix in its own format, each converted matrix within its format's rounding of the file's values, the
+    logits those of transformers on the converted weights with its linear layers' inputs quantized as the
+    kernels do (float32 rounding plus flipped activation roundings: see the allowance below), and greedy
     speculative output equals target-only output."""
     import json
 
@@ -513,7 +517,12 @@ def check_q4_k(path, reference, capsys) -> None:
         ours = pipe.target(ids, pipe.target.new_cache(64), logits="all").logits
         floats = hf(ids).logits
         quantized = _quantized_activations(hf, pipe.quantize)(ids).logits
-    torch.testing.assert_close(ours, quantized, rtol=0, atol=(quantized - floats).abs().max().item() + 1e-4 * scale)
+    # The two sides round the same activations to 8 bits, but float32 differences upstream (a Gated DeltaNet's
+    # recurrence against transformers' chunked form, other vector widths under AVX2) flip some of those
+    # roundings to the neighbouring level: a whole step, where rounding moves a value by at most half of
+    # one. Allowance: twice the rounding's whole effect on the logits, plus float32 rounding.
+    effect = (quantized - floats).abs().max().item()
+    torch.testing.assert_close(ours, quantized, rtol=0, atol=2 * effect + 1e-4 * scale)
     a = list(generate_tokens(pipe.target, IDS, max_new_tokens=24))
     assert a == list(generate_tokens(pipe.target, IDS, max_new_tokens=24, lookup=True)) and len(a) == 24
 
