@@ -213,6 +213,20 @@ def stored_types(config: dict) -> tuple[str | None, str | None]:
 # --- loading ------------------------------------------------------------------------------------
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux, else what `platform` knows)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def release_freed_memory() -> None:
     """Hand the heap's freed pages back to the system (glibc's malloc_trim; elsewhere nothing). Loading
     frees many megabyte-sized buffers (float weights quantized, blocks repacked); glibc keeps such pages

@@ -175,15 +175,10 @@ def calibrated(pipe) -> dict:
     import hashlib
     import json
     import os
-    import platform
 
-    from ..loading import cache_home
+    from ..loading import cache_home, cpu_name
 
-    cpu = platform.processor()
-    try:
-        cpu = next(line for line in open("/proc/cpuinfo") if line.startswith("model name")).split(":", 1)[1].strip()
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     drafter = pipe.drafter
     key = json.dumps([str(pipe.model_path), str(pipe.draft_path), pipe.quantize, pipe.lm_head, str(pipe.dtype),
                       str(pipe.device), cpu, torch.get_num_threads(), torch.__version__, kernels.best_isa(),
