@@ -98,6 +98,17 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def split_gate_up(tensors: dict, key: str, a: np.ndarray) -> bool:
+    """Qwen's [E, 2I, H] expert stack `key` as llama.cpp stores it, gate and up apart, into `tensors`;
+    False (nothing added) for any other tensor."""
+    if not key.endswith("mlp.experts.gate_up_proj"):
+        return False
+    layer = key.split(".")[2]
+    tensors[f"blk.{layer}.ffn_gate_exps.weight"], tensors[f"blk.{layer}.ffn_up_exps.weight"] = (
+        np.ascontiguousarray(a[:, : a.shape[1] // 2]), np.ascontiguousarray(a[:, a.shape[1] // 2:]))
+    return True
+
+
 def write_gguf(arch: str, qtype: str, path, seed: int = 0):
     """A tiny random model of `arch` written to `path` (tensors in `qtype`); returns transformers' model."""
     import gguf
@@ -141,10 +152,7 @@ def write_gguf(arch: str, qtype: str, path, seed: int = 0):
         if key == "lm_head.weight" and c.tie_word_embeddings:
             continue
         a = t.float().numpy()
-        if key.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: llama.cpp stores gate and up apart
-            layer = key.split(".")[2]
-            tensors[f"blk.{layer}.ffn_gate_exps.weight"], tensors[f"blk.{layer}.ffn_up_exps.weight"] = (
-                np.ascontiguousarray(a[:, : a.shape[1] // 2]), np.ascontiguousarray(a[:, a.shape[1] // 2:]))
+        if split_gate_up(tensors, key, a):
             continue
         base, _, suffix = key.rpartition(".")
         if suffix not in ("weight", "bias"):

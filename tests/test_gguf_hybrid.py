@@ -41,6 +41,7 @@ from .test_gguf import (
     block_quantize,
     check_q4_k,
     k_quant_type,
+    split_gate_up,
 )
 
 GEMMA4 = dict(num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=4, final_logit_softcapping=30.0,
@@ -244,11 +245,7 @@ def write_gguf(arch: str, qtype: str, path, model) -> None:
         if key == "lm_head.weight" and c.tie_word_embeddings:
             continue
         a = _qwen35_tensor(key, t.float().numpy(), c)
-        # Qwen's [E, 2I, H] stack: llama.cpp stores gate and up apart (Gemma 4's `experts.gate_up_proj` stays fused)
-        if key.endswith("mlp.experts.gate_up_proj"):
-            layer = key.split(".")[2]
-            tensors[f"blk.{layer}.ffn_gate_exps.weight"], tensors[f"blk.{layer}.ffn_up_exps.weight"] = (
-                np.ascontiguousarray(a[:, : a.shape[1] // 2]), np.ascontiguousarray(a[:, a.shape[1] // 2:]))
+        if split_gate_up(tensors, key, a):  # (Gemma 4's `experts.gate_up_proj`, not under `mlp.`, stays fused)
             continue
         tensors[_gguf_name(arch, key, name_map)] = a
     if mtp:
