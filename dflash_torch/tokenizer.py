@@ -4,7 +4,7 @@ which is everything in tokenizer.json).
 
 transformers' own class for such a checkpoint computes the same ids and renders the same chat template
 (tests/test_tokenizer.py checks both against it), but importing transformers and building its tokenizer
-keeps ~36 MB resident where the `tokenizers` library's own keeps ~16 MB (docs/performance.md, "Memory").
+keeps ~40 MB resident where the `tokenizers` library's own keeps ~18 MB (docs/performance.md, "Memory").
 What this class does not do itself (a grammar library that wants a Hugging Face tokenizer, attributes
 nobody here reads yet) it hands to that tokenizer, built on first use (`hf`).
 """

@@ -2,10 +2,11 @@
 
 Drafters are published in bfloat16 or float32. Quantizing one into blocks at every start reads all its
 float weights into memory, runs the quantizer over them and drops them again: for the default drafter
-that is the largest transient of a start (~45 MB resident on top of the loaded target) and a share of
-its time. The blocks depend only on the weights and the format, so the first load writes them to the
-cache, and later loads build the block layers from them without reading those float weights at all
-(they stay on the meta device until the block layers replace them). The blocks are the ones
+that is the largest transient of a start (the drafter's load peaks 42 MB above where it starts, 13 MB
+from cached blocks: tools/probes/memory_savings_probe.py) and a share of its time. The blocks depend
+only on the weights and the format, so the first load writes them to the cache, and later loads build
+the block layers from them without reading those float weights at all (they stay on the meta device
+until the block layers replace them). The blocks are the ones
 `quantize_blocks` makes, byte for byte (tests/test_drafter_blocks.py).
 """
 

@@ -55,7 +55,7 @@ def _compile() -> None:
     built_from = fingerprint()
     if library.is_file() and stamp.is_file() and stamp.read_text().strip() == built_from:
         # built from these very sources: load it without torch.utils.cpp_extension (and the setuptools it
-        # imports: ~5 MB resident for every run)
+        # imports: ~4 MB resident for every run)
         torch.ops.load_library(str(library))
         return
     from torch.utils import cpp_extension

@@ -149,8 +149,9 @@ def script(layers: nn.Module) -> nn.Module:
     kernels.ensure()  # the graph names torch.ops.dflash.* (the block kernels' branches): they must exist
     # The graph executor's optimizing passes (profiling, specialization, unrolling) buy no time here:
     # the graphs are a few hundred calls of our kernels and aten ops, run as written (same bits, and the
-    # same speed measured in alternation), while their specialized copies kept ~25 MB resident for the
-    # target's and the drafter's plans. Read when a graph first runs; this process has no other graphs.
+    # same speed measured in alternation: tools/probes/graph_optimize_probe.py), while their specialized
+    # copies kept ~19 MB resident for the target's and the drafter's plans (memory_savings_probe.py). Read
+    # when a graph first runs; this process has no other graphs.
     torch._C._set_graph_executor_optimize(False)
     try:
         with warnings.catch_warnings():
