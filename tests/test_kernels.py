@@ -53,6 +53,24 @@ def test_compiled_paths_equal_reference(fmt):
             assert torch.equal(got, want), (fmt, m, n, k, kernels.ISAS[isa], (got - want).abs().max())
 
 
+def test_q8_0_extreme_quants():
+    """Q8_0 quants of -128 and 127 (a GGUF file may hold -128 though llama.cpp's quantizer never writes it):
+    the 512-bit VNNI path feeds the activations as x + 128 and takes 128 * sum(w) off again, exact for every
+    int8 weight; every path against the reference."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 24, 96
+    raw = pack.quantize(torch.randn(n, k, generator=gen), "q8_0").view(n, k // 32, 34).clone()
+    raw[:, :, 2:] = torch.randint(0, 256, (n, k // 32, 32), generator=gen, dtype=torch.uint8)
+    raw[0, :, 2:] = 0x80  # every quant -128
+    raw[1, :, 2:] = 0x7F  # every quant 127
+    p = pack.pack(raw.view(n, -1), "q8_0")
+    x = torch.randn(9, k, generator=gen) * 4
+    want = reference.block_mm(x, p, 2, n)
+    assert torch.isfinite(want).all()
+    for isa in _isas():
+        assert torch.equal(kernels.block_mm(x, p, 2, n, isa), want), kernels.ISAS[isa]
+
+
 @pytest.mark.parametrize("fmt", pack.FORMATS)
 def test_rows_are_independent_of_other_rows(fmt):
     """Row i computed alone, among 2..70 rows, and in any order of rows: the same bits (what makes a

@@ -33,7 +33,8 @@ def _build_dir() -> Path:
     return path
 
 
-SOURCES = ("blocks.cpp", "attention.cpp", "norm.cpp", "argmax.cpp")
+SOURCES = ("blocks.cpp", "blocks_avx512.cpp", "attention.cpp", "norm.cpp", "argmax.cpp")
+HEADERS = ("blocks.h",)
 # -ffp-contract=off: no multiply-add fused behind our back, so every path rounds each step as written;
 # -fopenmp: at::parallel_for then runs on PyTorch's own OpenMP threads (without it, on a slower path)
 CFLAGS, LDFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"], ["-fopenmp"]
@@ -44,7 +45,7 @@ def fingerprint() -> str:
     import hashlib
 
     h = hashlib.sha256(f"{torch.__version__} {torch.__file__} {sys.version} {CFLAGS} {LDFLAGS}".encode())
-    for name in SOURCES:
+    for name in (*SOURCES, *HEADERS):
         h.update((Path(__file__).parent / name).read_bytes())
     return h.hexdigest()
 

@@ -20,39 +20,16 @@
 // exactly as GGUF stores them (Q4: 16 bytes, value j in the low nibble of byte j and j + 16 in its
 // high nibble; Q8: 32 signed bytes), reordered in chunks of 4 bytes so that one 32-byte load holds 4
 // values of each of the 8 columns. Each weight block is unpacked once per call for up to TILE_ROWS rows;
-// threads split the column groups.
+// threads split the column groups. The 512-bit VNNI path and the AMX path (blocks_avx512.cpp) take two
+// groups (16 columns) per vector or tile.
 
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-#include <torch/types.h>
-
-#include <cmath>
-#include <cstdlib>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define DFLASH_X86 1
-#if defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define DFLASH_AMX 1  // a compiler with AMX intrinsics, and Linux's way of asking for the tile registers
-#endif
-#endif
+#include "blocks.h"
 
 namespace {
 
-enum Format : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
-constexpr int QK = 32;          // values per block
-constexpr int GROUP = 8;        // output columns per packed group
-constexpr int TILE_ROWS = 64;   // rows that share one unpacking of a weight block
+using namespace dflash_blocks;
 
-inline int64_t group_bytes(int64_t fmt) {  // bytes of one (group, block) record
-  return fmt == Q4_0 ? 2 * GROUP + 16 * GROUP : fmt == Q4_1 ? 4 * GROUP + 16 * GROUP : 2 * GROUP + 32 * GROUP;
-}
+constexpr int TILE_ROWS = 64;  // rows that share one unpacking of a weight block (the 8-column paths)
 
 inline float half_to_float(uint16_t h) {  // exact
   uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -133,14 +110,6 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_row_avx2(const float* x, 
 #endif
 
 // ---- the scalar twin: exact integer block sums, then the float steps of the vector paths ----
-
-struct Rows {  // quantized activations of the rows of one tile
-  const int8_t* q;   // [rows, K]
-  const float* d;    // [rows, nb]
-  const int32_t* s;  // [rows, nb]
-  const float* ds;   // [rows, nb]: d * float(s), Q4_1's minimum term
-  int64_t k, nb;
-};
 
 // A record's quants are GGUF's bytes in chunks of 4: for chunk j and column c, bytes 4j..4j+3 of column
 // c's quants sit at 32 j + 4 c. Q4: the low nibbles of chunk j are values 4j..4j+3, the high nibbles
@@ -277,47 +246,11 @@ void tile_scalar(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64
                                                     _mm256_set1_epi16(1)));                       \
   }
 
-// VNNI: unsigned x signed bytes straight into int32 lanes (dpbusd, on 256-bit registers).
-#define DFLASH_VNNI_Q4                                                                            \
-  const int32_t* x4 = (const int32_t*)xb;                                                         \
-  isum = _mm256_setzero_si256();                                                                  \
-  for (int j = 0; j < 8; j++) isum = _mm256_dpbusd_epi32(isum, wv[j], _mm256_set1_epi32(x4[j]));
-
-// 4 rows interleaved, two accumulators each: 8 independent dpbusd chains of 4 (its latency is ~5 cycles)
-#define DFLASH_VNNI_Q4_X4                                                                         \
-  {                                                                                               \
-    const int32_t* x4[4];                                                                         \
-    __m256i e[4], o[4];                                                                           \
-    for (int u = 0; u < 4; u++) {                                                                 \
-      x4[u] = (const int32_t*)(x.q + (r + u) * x.k + b * QK);                                     \
-      e[u] = _mm256_setzero_si256();                                                              \
-      o[u] = _mm256_setzero_si256();                                                              \
-    }                                                                                             \
-    for (int j = 0; j < 8; j += 2)                                                                \
-      for (int u = 0; u < 4; u++) {                                                               \
-        e[u] = _mm256_dpbusd_epi32(e[u], wv[j], _mm256_set1_epi32(x4[u][j]));                     \
-        o[u] = _mm256_dpbusd_epi32(o[u], wv[j + 1], _mm256_set1_epi32(x4[u][j + 1]));             \
-      }                                                                                           \
-    for (int u = 0; u < 4; u++) isum4[u] = _mm256_add_epi32(e[u], o[u]); /* integers: exact */   \
-  }
-
-#define DFLASH_VNNI_Q8                                                                            \
-  const int32_t* x4 = (const int32_t*)xb;                                                         \
-  isum = _mm256_setzero_si256();                                                                  \
-  for (int j = 0; j < 8; j++)                                                                     \
-    isum = _mm256_dpbusd_epi32(isum, _mm256_abs_epi8(wv[j]), _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), wv[j]));
-
 // one instance per format (FMT a constant: no per-row branches on it, the weights stay in registers)
 template <int64_t fmt>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2_t(const uint8_t* w, int64_t nb, const Rows& x, int64_t r0,
                                                           int64_t r1, float* acc) {
   DFLASH_TILE_BODY(DFLASH_AVX2_Q4, DFLASH_AVX2_Q8, DFLASH_AVX2_Q4_X4)
-}
-
-template <int64_t fmt>
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) void tile_vnni_t(
-    const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
-  DFLASH_TILE_BODY(DFLASH_VNNI_Q4, DFLASH_VNNI_Q8, DFLASH_VNNI_Q4_X4)
 }
 
 void tile_avx2(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
@@ -326,213 +259,21 @@ void tile_avx2(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t
   else tile_avx2_t<Q8_0>(w, nb, x, r0, r1, acc);
 }
 
-void tile_vnni(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
-  if (fmt == Q4_0) tile_vnni_t<Q4_0>(w, nb, x, r0, r1, acc);
-  else if (fmt == Q4_1) tile_vnni_t<Q4_1>(w, nb, x, r0, r1, acc);
-  else tile_vnni_t<Q8_0>(w, nb, x, r0, r1, acc);
-}
 #endif
 
 
-#ifdef DFLASH_AMX
-// AMX (Sapphire Rapids and later): one TDPBSUD / TDPBSSD multiplies 16 rows by 16 columns over one block
-// of 32 values into 16 x 16 exact int32 sums, the same integers the dpbusd lanes produce; the float step
-// then runs on 16-column zmm vectors with the same operations, in the same order, as the 8-column paths,
-// so every path gives the same bits (tests/test_kernels.py). A tile holds a weight block of two adjacent
-// column groups: B's row j is chunk j of group g and of group g + 1, 4 values of each of 16 columns, which
-// is the layout TDP* reads; Q4's nibbles are spread to bytes first. Tiles have min(M, 16) rows; past 16
-// rows the activations are padded with zero rows to a multiple of 16 (block_mm_impl).
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// one block's tile product: activations of rows r0.. (A) by the column tile's unpacked block (B) into C.
-// Q4_0's nibbles are unpacked as signed values nibble - 8, so TDPBSSD yields isum - 8 * sx directly (the
-// same integer the other paths compute in two steps); Q4_1's stay unsigned (TDPBSUD), Q8_0 is signed.
-#define DFLASH_AMX_TDP(b, ta, tb, tc)                                                             \
-  _tile_loadd(ta, x.q + r0 * x.k + (b) * QK, x.k);                                                \
-  _tile_loadd(tb, bt + (b) * 512, 64);                                                            \
-  _tile_zero(tc);                                                                                 \
-  if (fmt == Q4_1) _tile_dpbsud(tc, ta, tb); /* signed activations x unsigned nibbles */          \
-  else _tile_dpbssd(tc, ta, tb);             /* signed activations x signed weights */
-
-// the float step of DFLASH_FLOAT_STEP_AT for one block of a 16-column tile, 16 columns wide, for R rows
-// whose sums stay in registers across the blocks (R a constant: the loop unrolls onto zmm registers)
-template <int64_t fmt, int R>
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"))) inline void amx_scale(
-    const Rows& x, int64_t r0, int64_t b, const int32_t* c, const float* dws, const float* mws, __m512* acc) {
-  const __m512 dw = _mm512_loadu_ps(dws + 16 * b);
-  const __m512 mw = fmt == Q4_1 ? _mm512_loadu_ps(mws + 16 * b) : _mm512_setzero_ps();
-  const float* dx = x.d + r0 * x.nb + b;
-  const float* dsx = x.ds + r0 * x.nb + b;
-  for (int r = 0; r < R; r++) {
-    const __m512 dd = _mm512_mul_ps(_mm512_set1_ps(dx[r * x.nb]), dw);
-    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), dd));
-    if (fmt == Q4_1) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mw, _mm512_set1_ps(dsx[r * x.nb])));
-  }
-}
-
-// The weights of one 16-column tile (column groups g and g + 1), unpacked block by block into B's layout.
-struct AmxTile {
-  const uint8_t* w0;  // group g's records
-  const uint8_t* w1;  // group g + 1's, or zeros where the matrix has no such group (its columns are unused)
-  uint8_t* bt;        // [nb, 8, 64] bytes: B's rows for each block
-  float* dws;         // [nb, 16] weight scales
-  float* mws;         // [nb, 16] Q4_1 minimums
-};
-
-// unpack block b: the 16 columns' scales (and minimums) to floats, Q4's nibbles spread to bytes (Q4_0:
-// nibble - 8, a signed byte)
-template <int64_t fmt>
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"), always_inline)) inline void amx_unpack(
-    const AmxTile& t, int64_t b) {
-  const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
-  const uint8_t* e0 = t.w0 + b * gb;
-  const uint8_t* e1 = t.w1 + b * gb;
-  const __m128i h0 = _mm_loadu_si128((const __m128i*)e0);
-  const __m128i h1 = _mm_loadu_si128((const __m128i*)e1);
-  _mm512_store_ps(t.dws + 16 * b, _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1)));
-  if (fmt == Q4_1) {
-    const __m128i m0 = _mm_loadu_si128((const __m128i*)(e0 + 16));
-    const __m128i m1 = _mm_loadu_si128((const __m128i*)(e1 + 16));
-    _mm512_store_ps(t.mws + 16 * b, _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(m0), m1, 1)));
-  }
-  const uint8_t* q0 = e0 + qoff;
-  const uint8_t* q1 = e1 + qoff;
-  uint8_t* bb = t.bt + 512 * b;
-  // B's row j: chunk j of both groups, one 64-byte store
-#define DFLASH_BOTH(off)                                                                  \
-  _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(q0 + (off)))), \
-                     _mm256_loadu_si256((const __m256i*)(q1 + (off))), 1)
-  if (fmt == Q8_0) {
-    for (int j = 0; j < 8; j++) _mm512_store_si512((__m512i*)(bb + 64 * j), DFLASH_BOTH(32 * j));
-    return;
-  }
-  const __m512i low = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(fmt == Q4_0 ? 8 : 0);
-  for (int j = 0; j < 4; j++) {
-    const __m512i v = DFLASH_BOTH(32 * j);
-    _mm512_store_si512((__m512i*)(bb + 64 * j), _mm512_sub_epi8(_mm512_and_si512(v, low), eight));
-    _mm512_store_si512((__m512i*)(bb + 64 * (j + 4)),
-                       _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), eight));
-  }
-#undef DFLASH_BOTH
-}
-
-// one tile of R rows x 16 columns over all blocks, in block order; the sums into out [R, 16]. With
-// unpack, each block is unpacked just before its product, so that the unpacking (loads from memory)
-// overlaps the tile instructions' latency; later row tiles of the call reuse the unpacked blocks.
-template <int64_t fmt, int R>
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8"))) void amx_rows(
-    const Rows& x, int64_t r0, int64_t nb, const AmxTile& t, bool unpack, float* out) {
-  alignas(64) int32_t ct[2][16 * 16];
-  const uint8_t* bt = t.bt;
-  __m512 acc[R];
-  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-  constexpr int64_t ahead = 6;  // blocks unpacked ahead of their product: the stores settle before tile loads
-  if (unpack)
-    for (int64_t b = 0; b < std::min(ahead, nb); b++) amx_unpack<fmt>(t, b);
-  DFLASH_AMX_TDP(0, 0, 1, 2)
-  for (int64_t b = 0; b < nb; b += 2) {  // two tile sets: one block's product runs while the other's is scaled
-    if (unpack && b + ahead < nb) amx_unpack<fmt>(t, b + ahead);
-    if (unpack && b + ahead + 1 < nb) amx_unpack<fmt>(t, b + ahead + 1);
-    if (b + 1 < nb) {
-      DFLASH_AMX_TDP(b + 1, 3, 4, 5)
-    }
-    _tile_stored(2, ct[0], 64);
-    if (b + 2 < nb) {
-      DFLASH_AMX_TDP(b + 2, 0, 1, 2)
-    }
-    amx_scale<fmt, R>(x, r0, b, ct[0], t.dws, t.mws, acc);
-    if (b + 1 < nb) {
-      _tile_stored(5, ct[1], 64);
-      amx_scale<fmt, R>(x, r0, b + 1, ct[1], t.dws, t.mws, acc);
-    }
-  }
-  for (int r = 0; r < R; r++) _mm512_store_ps(out + 16 * r, acc[r]);
-}
-
-template <int64_t fmt>
-void amx_rows_n(int64_t rows, const Rows& x, int64_t r0, int64_t nb, const AmxTile& t, bool unpack, float* out) {
-  switch (rows) {
-#define DFLASH_AMX_ROWS_CASE(R) \
-  case R: amx_rows<fmt, R>(x, r0, nb, t, unpack, out); break;
-    DFLASH_AMX_ROWS_CASE(1) DFLASH_AMX_ROWS_CASE(2) DFLASH_AMX_ROWS_CASE(3) DFLASH_AMX_ROWS_CASE(4)
-    DFLASH_AMX_ROWS_CASE(5) DFLASH_AMX_ROWS_CASE(6) DFLASH_AMX_ROWS_CASE(7) DFLASH_AMX_ROWS_CASE(8)
-    DFLASH_AMX_ROWS_CASE(9) DFLASH_AMX_ROWS_CASE(10) DFLASH_AMX_ROWS_CASE(11) DFLASH_AMX_ROWS_CASE(12)
-    DFLASH_AMX_ROWS_CASE(13) DFLASH_AMX_ROWS_CASE(14) DFLASH_AMX_ROWS_CASE(15) DFLASH_AMX_ROWS_CASE(16)
-#undef DFLASH_AMX_ROWS_CASE
-    default: TORCH_CHECK(false, "an AMX tile has 1 to 16 rows");
-  }
-}
-
-template <int64_t fmt>
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8"))) void columns_amx_t(
-    const uint8_t* wp, int64_t gstride, int64_t groups, int64_t nb, const Rows& x, int64_t m, int64_t t0,
-    int64_t t1, float* y, int64_t n, const float* res) {
-  // tiles of tr = min(M, 16) rows (a tile op's time grows with its rows); M > 16 is padded to 16s
-  const int64_t tr = std::min<int64_t>(m, 16);
-  TileConfig cfg;  // two sets of (A, B, C), so that one block's product runs while the other's is scaled
-  for (int set = 0; set < 2; set++) {
-    cfg.colsb[3 * set] = 32, cfg.rows[3 * set] = tr;          // A: tr rows x one block of activation quants
-    cfg.colsb[3 * set + 1] = 64, cfg.rows[3 * set + 1] = 8;   // B: 8 chunks of 4 values x 16 columns
-    cfg.colsb[3 * set + 2] = 64, cfg.rows[3 * set + 2] = tr;  // C: tr rows x 16 int32 block sums
-  }
-  _tile_loadconfig(&cfg);
-  thread_local std::vector<uint8_t> buf;  // the column tile's blocks, unpacked, and their scales
-  buf.resize(nb * (512 + 128) + 64);
-  uint8_t* bt = (uint8_t*)(((uintptr_t)buf.data() + 63) & ~(uintptr_t)63);
-  float* dws = (float*)(bt + 512 * nb);
-  thread_local std::vector<uint8_t> zeros;  // stands in for the missing second group of an odd group count
-  zeros.assign(gstride, 0);
-  alignas(64) float acc[16 * 16];
-  for (int64_t t = t0; t < t1; t++) {  // a tile of 16 output columns: groups 2t and 2t + 1
-    const int64_t g0 = 2 * t, cols = std::min<int64_t>(2 * GROUP, n - g0 * GROUP);
-    const AmxTile tile{wp + g0 * gstride, g0 + 1 < groups ? wp + (g0 + 1) * gstride : zeros.data(), bt, dws,
-                       dws + 16 * nb};
-    for (int64_t r0 = 0; r0 < m; r0 += tr) {
-      const int64_t rows = std::min<int64_t>(tr, m - r0);
-      amx_rows_n<fmt>(rows, x, r0, nb, tile, r0 == 0, acc);
-      for (int64_t r = 0; r < rows; r++) {
-        float* out = y + (r0 + r) * n + g0 * GROUP;
-        const float* a = acc + 16 * r;
-        if (res != nullptr) {
-          const float* rr = res + (r0 + r) * n + g0 * GROUP;
-          for (int64_t c = 0; c < cols; c++) out[c] = rr[c] + a[c];
-        } else {
-          std::memcpy(out, a, sizeof(float) * cols);
-        }
-      }
-    }
-  }
-  _tile_release();
-}
-
-void columns_amx(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t groups, int64_t nb, const Rows& x,
-                 int64_t m, int64_t t0, int64_t t1, float* y, int64_t n, const float* res) {
-  if (fmt == Q4_0) columns_amx_t<Q4_0>(wp, gstride, groups, nb, x, m, t0, t1, y, n, res);
-  else if (fmt == Q4_1) columns_amx_t<Q4_1>(wp, gstride, groups, nb, x, m, t0, t1, y, n, res);
-  else columns_amx_t<Q8_0>(wp, gstride, groups, nb, x, m, t0, t1, y, n, res);
-}
-
-bool amx_usable() {  // the CPU has AMX-TILE and AMX-INT8, and Linux grants this process the tile state
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
-  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-}
-#endif
 
 // ---- dispatch ----
 
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, VNNI = 2, AMX = 3 };
-// Below this many rows the VNNI path is faster (a tile's fixed costs, the unpacking to bytes and the sums
-// stored and reloaded, outweigh one or two rows' work); DFLASH_AMX_MIN_ROWS overrides it, for measuring
-// (the paths give the same bits, so only speed changes).
+// Below this many rows the 512-bit VNNI path is faster (up to 7 rows its sums stay in registers, while a
+// tile's fixed costs, the unpacking to bytes and the sums stored and reloaded, outweigh a few rows' work:
+// tools/kernel_table.py --isa vnni,amx); DFLASH_AMX_MIN_ROWS overrides it, for measuring (the paths give the
+// same bits, so only speed changes).
 int64_t amx_min_rows() {
   static const int64_t rows = [] {
     const char* v = std::getenv("DFLASH_AMX_MIN_ROWS");
-    return v && *v ? std::max<int64_t>(1, std::atoll(v)) : 4;
+    return v && *v ? std::max<int64_t>(1, std::atoll(v)) : 8;
   }();
   return rows;
 }
@@ -620,7 +361,12 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
   sbuf.resize(m * nb);
   quantize_rows(x.data_ptr<float>(), m, k, qbuf.data(), dbuf.data(), sbuf.data(), isa);
   for (int64_t i = 0; i < m * nb; i++) dsbuf[i] = dbuf[i] * (float)sbuf[i];  // Q4_1's d * sum, rounded once
-  const Rows rows{qbuf.data(), dbuf.data(), sbuf.data(), dsbuf.data(), k, nb};
+  thread_local std::vector<uint8_t> ubuf;  // Q8_0 on the 512-bit VNNI path: the quants + 128, unsigned
+  if (fmt == Q8_0 && isa == VNNI) {
+    ubuf.resize(m * k);
+    for (int64_t i = 0; i < m * k; i++) ubuf[i] = (uint8_t)qbuf[i] ^ 0x80;
+  }
+  const Rows rows{qbuf.data(), dbuf.data(), sbuf.data(), dsbuf.data(), ubuf.data(), k, nb};
   const float* rp = nullptr;
   torch::Tensor r;
   if (residual != nullptr) {
@@ -641,6 +387,14 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
     return y;
   }
 #endif
+#ifdef DFLASH_X86
+  if (isa == VNNI) {  // threads split pairs of column groups
+    at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      columns_vnni(fmt, wp, gstride, groups, nb, rows, m, p0, p1, yp, n, rp);
+    });
+    return y;
+  }
+#endif
   for (int64_t t0 = 0; t0 < m; t0 += TILE_ROWS) {
     const int64_t t1 = std::min(m, t0 + TILE_ROWS);
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -649,9 +403,7 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
         std::memset(acc, 0, sizeof(float) * (t1 - t0) * GROUP);
         const uint8_t* wg = wp + g * gstride;
 #ifdef DFLASH_X86
-        if (isa == VNNI)
-          tile_vnni(fmt, wg, nb, rows, t0, t1, acc);
-        else if (isa == AVX2)
+        if (isa == AVX2)
           tile_avx2(fmt, wg, nb, rows, t0, t1, acc);
         else
 #endif

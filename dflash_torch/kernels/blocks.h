@@ -1,0 +1,56 @@
+// What blocks.cpp (activations, scalar twin, AVX2, dispatch) and blocks_avx512.cpp (VNNI on 512-bit
+// registers, AMX tiles) share: the block formats, the packed record layout and the quantized rows.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define DFLASH_X86 1
+#if defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DFLASH_AMX 1  // a compiler with AMX intrinsics, and Linux's way of asking for the tile registers
+#endif
+#endif
+
+namespace dflash_blocks {
+
+enum Format : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+constexpr int QK = 32;    // values per block
+constexpr int GROUP = 8;  // output columns per packed group
+
+inline int64_t group_bytes(int64_t fmt) {  // bytes of one (group, block) record
+  return fmt == Q4_0 ? 2 * GROUP + 16 * GROUP : fmt == Q4_1 ? 4 * GROUP + 16 * GROUP : 2 * GROUP + 32 * GROUP;
+}
+
+struct Rows {  // quantized activations of the rows of one call
+  const int8_t* q;   // [rows, K]
+  const float* d;    // [rows, nb]
+  const int32_t* s;  // [rows, nb]
+  const float* ds;   // [rows, nb]: d * float(s), Q4_1's minimum term
+  const uint8_t* u;  // [rows, K]: q + 128 as unsigned bytes (the 512-bit VNNI path's Q8_0 operand), or null
+  int64_t k, nb;
+};
+
+// Threads split pairs of column groups [p0, p1) (16 output columns each); y [m, n] (+ res [m, n]).
+#ifdef DFLASH_X86
+void columns_vnni(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t groups, int64_t nb, const Rows& x,
+                  int64_t m, int64_t p0, int64_t p1, float* y, int64_t n, const float* res);
+#endif
+#ifdef DFLASH_AMX
+void columns_amx(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t groups, int64_t nb, const Rows& x,
+                 int64_t m, int64_t t0, int64_t t1, float* y, int64_t n, const float* res);
+bool amx_usable();
+#endif
+
+}  // namespace dflash_blocks
