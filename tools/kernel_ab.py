@@ -1,4 +1,4 @@
-"""A/B timing of the block matmul: an earlier blocks.cpp (a git revision's, or a file) against the working
+"""A/B timing of the block matmul: earlier block kernels (a git revision's, or a blocks.cpp) against the working
 tree's, built side by side in one process and called in alternation, so that the machine's drift (tens
 of percent over minutes on a shared VM) falls on both alike. Per layer shape of the default model,
 format and row count: the best of 9 rounds of each, old -> new microseconds and their ratio. Both must
@@ -28,31 +28,46 @@ sys.path.insert(0, str(ROOT))
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
 
 
+def _old_sources(rev: str) -> dict[str, str]:
+    """The old block-kernel sources by file name: blocks.cpp, and blocks_avx512.cpp and blocks.h where the
+    revision has them (a .cpp file given alone stands for blocks.cpp)."""
+    if rev.endswith(".cpp"):
+        return {"blocks.cpp": Path(rev).read_text()}
+    out = {}
+    for name in ("blocks.cpp", "blocks_avx512.cpp", "blocks.h"):
+        try:
+            out[name] = subprocess.check_output(["git", "show", f"{rev}:dflash_torch/kernels/{name}"], cwd=ROOT,
+                                                stderr=subprocess.DEVNULL).decode()
+        except subprocess.CalledProcessError:
+            if name == "blocks.cpp":
+                raise
+    return out
+
+
 def build_old(rev: str) -> object:
-    """The old blocks.cpp as torch.ops.<namespace>, compiled once per source into the user cache."""
+    """The old block kernels as torch.ops.<namespace>, compiled once per source into the user cache (the op
+    library and the C++ namespace renamed, so that the two builds live side by side in one process)."""
     from torch.utils import cpp_extension
 
     from dflash_torch.loading import cache_home
 
-    if rev.endswith(".cpp"):
-        src = Path(rev).read_text()
-    else:
-        src = subprocess.check_output(["git", "show", f"{rev}:dflash_torch/kernels/blocks.cpp"], cwd=ROOT).decode()
-    tag = hashlib.sha1(src.encode()).hexdigest()[:10]
+    srcs = _old_sources(rev)
+    tag = hashlib.sha1("".join(srcs[k] for k in sorted(srcs)).encode()).hexdigest()[:10]
     name = f"dflash_ab_{tag}"
-    src = src.replace("TORCH_LIBRARY(dflash,", f"TORCH_LIBRARY({name},")
     build = cache_home() / "kernels" / "ab" / tag
     build.mkdir(parents=True, exist_ok=True)
-    (build / "blocks_old.cpp").write_text(src)
-    cpp_extension.load(name=name, sources=[str(build / "blocks_old.cpp")], build_directory=str(build),
-                       extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
+    for file, src in srcs.items():
+        src = src.replace("TORCH_LIBRARY(dflash,", f"TORCH_LIBRARY({name},").replace("dflash_blocks", name)
+        (build / file).write_text(src)
+    cpp_extension.load(name=name, sources=[str(build / f) for f in srcs if f.endswith(".cpp")],
+                       build_directory=str(build), extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     return getattr(torch.ops, name).block_mm
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("rev", help="git revision (or a .cpp file) of the old blocks.cpp")
+    ap.add_argument("rev", help="git revision of the old kernels (or a blocks.cpp file)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--formats", default="q4_0,q4_1,q8_0")
     ap.add_argument("--rows", default="1,4,8,16")
