@@ -5,7 +5,7 @@ format and row count: the best of 9 rounds of each, old -> new microseconds and 
 give the same bits (checked on every cell).
 
     python tools/kernel_ab.py REV [--threads 2] [--formats q4_0,q4_1,q8_0] [--rows 1,4,8,16]
-                              [--isa -1] [--new-isa -1] [--json FILE]
+                              [--isa -1] [--new-isa -1] [--mb 24] [--shapes qkv,o] [--json FILE]
 
 --isa picks the instruction set of the old build (-1: its own choice per call; 2 vnni, 3 amx), --new-isa
 that of the new one (default: the same), e.g. `--isa 2 --new-isa 3` times VNNI against AMX.
@@ -73,6 +73,8 @@ def main() -> int:
     ap.add_argument("--rows", default="1,4,8,16")
     ap.add_argument("--isa", type=int, default=-1, help="old build's instruction set (-1: its choice)")
     ap.add_argument("--new-isa", type=int, default=None, help="new build's (default: --isa)")
+    ap.add_argument("--mb", type=int, default=24, help="MB of weights (as q4_0) cycled per cell (default 24)")
+    ap.add_argument("--shapes", default=None, help="layer names to time (default: all)")
     ap.add_argument("--json", default=None, help="also write the cells here")
     args = ap.parse_args()
     from dflash_torch import kernels
@@ -87,8 +89,10 @@ def main() -> int:
     cells = []
     print(f"threads {args.threads}; us per call, old -> new (ratio), best of 9 alternating rounds")
     for name, n, k in SHAPES:
+        if args.shapes and name not in args.shapes.split(","):
+            continue
         w = torch.randn(n, k, generator=gen)
-        copies = max(1, 48 * 1536 * 576 // (n * k))  # ~24 MB of weights per format: past the caches
+        copies = max(1, args.mb * 2**24 // (9 * n * k))  # --mb MB of q4_0 blocks (18 bytes per 32 values)
         for fmt in args.formats.split(","):
             code = pack.FORMATS.index(fmt)
             packed = [pack.pack(pack.quantize(w, fmt), fmt) for _ in range(copies)]

@@ -30,6 +30,7 @@ namespace {
 using namespace dflash_blocks;
 
 constexpr int TILE_ROWS = 64;  // rows that share one unpacking of a weight block (the 8-column paths)
+constexpr int64_t PF = 32;     // blocks of weights prefetched ahead (blocks_avx512.cpp says why)
 
 inline float half_to_float(uint16_t h) {  // exact
   uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -174,6 +175,8 @@ void tile_scalar(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64
   const __m256i low = _mm256_set1_epi8(0x0f);                                                     \
   for (int64_t b = 0; b < nb; b++) {                                                              \
     const uint8_t* rec = w + b * gb;                                                              \
+    for (int64_t off = PF * gb; off < (PF + 1) * gb; off += 64) /* weights from memory, ahead */  \
+      _mm_prefetch((const char*)(rec + off), _MM_HINT_T0);                                        \
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));                      \
     const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16)))  \
                                   : _mm256_setzero_ps();                                          \
