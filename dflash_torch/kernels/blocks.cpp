@@ -30,7 +30,6 @@ namespace {
 using namespace dflash_blocks;
 
 constexpr int TILE_ROWS = 64;  // rows that share one unpacking of a weight block (the 8-column paths)
-constexpr int64_t PF = 32;     // blocks of weights prefetched ahead (blocks_avx512.cpp says why)
 
 inline float half_to_float(uint16_t h) {  // exact
   uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -175,8 +174,7 @@ void tile_scalar(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64
   const __m256i low = _mm256_set1_epi8(0x0f);                                                     \
   for (int64_t b = 0; b < nb; b++) {                                                              \
     const uint8_t* rec = w + b * gb;                                                              \
-    for (int64_t off = PF * gb; off < (PF + 1) * gb; off += 64) /* weights from memory, ahead */  \
-      _mm_prefetch((const char*)(rec + off), _MM_HINT_T0);                                        \
+    prefetch_ahead(rec, gb); /* weights from memory, ahead */                                     \
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));                      \
     const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16)))  \
                                   : _mm256_setzero_ps();                                          \
@@ -411,16 +409,7 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
 #endif
           tile_scalar(fmt, wg, nb, rows, t0, t1, acc);
         const int64_t cols = std::min<int64_t>(GROUP, n - g * GROUP);
-        for (int64_t row = t0; row < t1; row++) {
-          float* out = yp + row * n + g * GROUP;
-          const float* a = acc + (row - t0) * GROUP;
-          if (rp != nullptr) {
-            const float* res = rp + row * n + g * GROUP;
-            for (int64_t c = 0; c < cols; c++) out[c] = res[c] + a[c];
-          } else {
-            std::memcpy(out, a, sizeof(float) * cols);
-          }
-        }
+        store_rows(yp, rp, n, t0, t1 - t0, g * GROUP, cols, acc, GROUP);
       }
     });
   }

@@ -42,6 +42,32 @@ struct Rows {  // quantized activations of the rows of one call
   int64_t k, nb;
 };
 
+// rows [r0, r0 + rows), columns [c0, c0 + cols) of y [., n] from a tile's sums acc [rows, stride]; with res,
+// each output is res + sum (as `r + y` would be)
+inline void store_rows(float* y, const float* res, int64_t n, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
+                       const float* acc, int64_t stride) {
+  for (int64_t r = 0; r < rows; r++) {
+    float* out = y + (r0 + r) * n + c0;
+    const float* a = acc + r * stride;
+    if (res != nullptr) {
+      const float* rr = res + (r0 + r) * n + c0;
+      for (int64_t c = 0; c < cols; c++) out[c] = rr[c] + a[c];
+    } else {
+      std::memcpy(out, a, sizeof(float) * cols);
+    }
+  }
+}
+
+#ifdef DFLASH_X86
+// Weights are prefetched PF blocks ahead on each stream a path reads: the hardware prefetcher alone left a
+// decode step's matmuls 10-45% short of this (tools/kernel_ab.py --mb 400, weights from memory).
+constexpr int64_t PF = 32;
+
+inline void prefetch_ahead(const uint8_t* rec, int64_t gb) {  // the record PF blocks after rec (gb bytes each)
+  for (int64_t off = PF * gb; off < (PF + 1) * gb; off += 64) _mm_prefetch((const char*)(rec + off), _MM_HINT_T0);
+}
+#endif
+
 // Threads split pairs of column groups [p0, p1) (16 output columns each); y [m, n] (+ res [m, n]).
 #ifdef DFLASH_X86
 void columns_vnni(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t groups, int64_t nb, const Rows& x,

@@ -20,9 +20,6 @@ namespace {
   _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)((p0) + (off)))),     \
                      _mm256_loadu_si256((const __m256i*)((p1) + (off))), 1)
 
-// Weights are prefetched PF blocks ahead on both of a pair's streams: the hardware prefetcher alone left a
-// decode step's matmuls 10-45% short of this (tools/kernel_ab.py --mb 400, weights from memory).
-constexpr int64_t PF = 32;
 
 template <int64_t fmt, int R>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) void vnni_rows(
@@ -34,10 +31,8 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* e0 = w0 + b * gb;
     const uint8_t* e1 = w1 + b * gb;
-    for (int64_t off = PF * gb; off < (PF + 1) * gb; off += 64) {  // both streams, PF blocks ahead
-      _mm_prefetch((const char*)(e0 + off), _MM_HINT_T0);
-      _mm_prefetch((const char*)(e1 + off), _MM_HINT_T0);
-    }
+    prefetch_ahead(e0, gb);  // both streams
+    prefetch_ahead(e1, gb);
 #define DFLASH_HALVES(off)                                                                          \
   _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(e0 + (off)))), \
                                           _mm_loadu_si128((const __m128i*)(e1 + (off))), 1))
@@ -107,16 +102,7 @@ void columns_vnni_t(const uint8_t* wp, int64_t gstride, int64_t groups, int64_t 
         DFLASH_VNNI_CASE(5) DFLASH_VNNI_CASE(6) DFLASH_VNNI_CASE(7) DFLASH_VNNI_CASE(8)
 #undef DFLASH_VNNI_CASE
       }
-      for (int64_t r = 0; r < rows; r++) {
-        float* o = y + (r0 + r) * n + g0 * GROUP;
-        const float* a = acc + 16 * r;
-        if (res != nullptr) {
-          const float* rr = res + (r0 + r) * n + g0 * GROUP;
-          for (int64_t c = 0; c < cols; c++) o[c] = rr[c] + a[c];
-        } else {
-          std::memcpy(o, a, sizeof(float) * cols);
-        }
-      }
+      store_rows(y, res, n, r0, rows, g0 * GROUP, cols, acc, 16);
     }
   }
 }
@@ -178,10 +164,8 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"), always_inline)
   const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
   const uint8_t* e0 = t.w0 + b * gb;
   const uint8_t* e1 = t.w1 + b * gb;
-  for (int64_t off = PF * gb; off < (PF + 1) * gb; off += 64) {  // both streams, PF blocks ahead
-    _mm_prefetch((const char*)(e0 + off), _MM_HINT_T0);
-    _mm_prefetch((const char*)(e1 + off), _MM_HINT_T0);
-  }
+  prefetch_ahead(e0, gb);  // both streams
+  prefetch_ahead(e1, gb);
   const __m128i h0 = _mm_loadu_si128((const __m128i*)e0);
   const __m128i h1 = _mm_loadu_si128((const __m128i*)e1);
   _mm512_store_ps(t.dws + 16 * b, _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1)));
@@ -285,16 +269,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-ti
     for (int64_t r0 = 0; r0 < m; r0 += tr) {
       const int64_t rows = std::min<int64_t>(tr, m - r0);
       amx_rows_n<fmt>(rows, x, r0, nb, tile, r0 == 0, acc);
-      for (int64_t r = 0; r < rows; r++) {
-        float* out = y + (r0 + r) * n + g0 * GROUP;
-        const float* a = acc + 16 * r;
-        if (res != nullptr) {
-          const float* rr = res + (r0 + r) * n + g0 * GROUP;
-          for (int64_t c = 0; c < cols; c++) out[c] = rr[c] + a[c];
-        } else {
-          std::memcpy(out, a, sizeof(float) * cols);
-        }
-      }
+      store_rows(y, res, n, r0, rows, g0 * GROUP, cols, acc, 16);
     }
   }
   _tile_release();
