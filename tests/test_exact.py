@@ -85,20 +85,30 @@ def test_speculative_equals_target_only_bit_for_bit(quantized, fmt):
     assert accepted > checked  # the drafts were really kept, often
 
 
-@pytest.mark.parametrize("fmt", ("q4_0", "q4_1"))
+@pytest.mark.parametrize("fmt", FORMATS)
 @torch.inference_mode()
 def test_flat_path_equals_layer_modules(quantized, fmt):
-    """The flat (scripted) decode path and the layer modules compute the same bits on block weights, for
-    decode steps, verify blocks and prefills."""
+    """The one-call C++ decoder stack (kernels/layers.cpp), the flat (scripted) decode path and the layer
+    modules compute the same bits on block weights (logits, tap features, the cache), for decode steps,
+    verify blocks and prefills; the stack serves the Llama and Qwen2 targets (biases included), Qwen3's
+    q/k norms take the scripted path."""
+    from dflash_torch import kernels
+    from dflash_torch.models.llama import NativeLayers
+
     rng = random.Random(2)
     for kind, target, _ in quantized[fmt]:
         for t in (1, 7, 40):
             prompt = [rng.randrange(255) for _ in range(t)]
             outs = []
-            for flat in (True, False):
-                target.flat = flat
+            for flat, native in ((True, True), (True, False), (False, False)):
+                target.flat, target.native = flat, native
                 cache = target.new_cache(64)
                 target(torch.tensor([[3, 4]]), cache, logits=None)
-                outs.append(target(torch.tensor([prompt]), cache, logits="all").logits)
-            target.flat = True
-            assert torch.equal(outs[0], outs[1]), (kind, t)
+                out = target(torch.tensor([prompt]), cache, logits="all", taps=(2, 0, 2))
+                n = cache.length
+                outs.append((out.logits, out.hidden, cache.k[:, :, :, :n], cache.v[:, :, :, :n]))
+            target.flat, target.native = True, True
+            for other in outs[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(outs[0], other)), (kind, t)
+        if kernels.ensure() == "compiled":
+            assert isinstance(target._plan[(True, True)], NativeLayers) == (kind != "qwen3"), kind

@@ -425,7 +425,7 @@ def test_flat_decode_step_equals_module_path(tiny_models, kind, quant):
             for fast, scripted in ((False, False), (True, False), (True, True)):
                 target.flat, target.script, target._plan = fast, scripted, None
                 runs.append(_decode_run(target, prompt, 12))
-        assert isinstance(target._plan[True], torch.jit.ScriptModule)  # the scripted flat path ran
+        assert isinstance(target._plan[(True, True)], torch.jit.ScriptModule)  # the scripted flat path ran
         (want, c1), *others = runs
         for got, c2 in others:  # the flat layers in Python, then compiled by TorchScript
             assert all(torch.equal(a, b) for a, b in zip(want, got))
@@ -525,7 +525,7 @@ def test_flat_path_falls_back_without_torchscript_or_for_unknown_layers(tiny_mod
         target = _load(path, "int4")
         with pytest.warns(UserWarning, match="TorchScript unavailable"):
             got, _ = _decode_run(target, prompt, 6)
-        assert not isinstance(target._plan[True], torch.jit.ScriptModule)
+        assert not isinstance(target._plan[(True, True)], torch.jit.ScriptModule)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
         monkeypatch.undo()
 

@@ -1,6 +1,7 @@
 """CPU kernels whose result for a row does not depend on the other rows of the call: GGUF Q4_0 / Q4_1 /
 Q8_0 weights times 8-bit activations (blocks.cpp), causal attention over a KV cache (attention.cpp),
-RMSNorm (norm.cpp) and the row-wise argmax of logits (argmax.cpp).
+RMSNorm (norm.cpp), the row-wise argmax of logits (argmax.cpp), and a Llama-family decoder stack of
+block-format layers in one call (layers.cpp).
 
 `ensure()` builds the C++ extension once with `torch.utils.cpp_extension` (ninja) into the user cache
 and registers its ops as `torch.ops.dflash.*`; later processes load the cached build. Where no compiler
@@ -33,7 +34,7 @@ def _build_dir() -> Path:
     return path
 
 
-SOURCES = ("blocks.cpp", "blocks_avx512.cpp", "attention.cpp", "norm.cpp", "argmax.cpp")
+SOURCES = ("blocks.cpp", "blocks_avx512.cpp", "attention.cpp", "norm.cpp", "argmax.cpp", "layers.cpp")
 HEADERS = ("blocks.h",)
 # -ffp-contract=off: no multiply-add fused behind our back, so every path rounds each step as written;
 # -fopenmp: at::parallel_for then runs on PyTorch's own OpenMP threads (without it, on a slower path)

@@ -168,6 +168,9 @@ class Model(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.flat = True  # decode and one-query-at-a-time passes through `_flat` (same bits; False: modules)
         self.script = True  # `_flat` compiled by TorchScript (same bits; False: FlatLayers in Python)
+        # every linear layer in block formats (q4_0 / q4_1 / q8_0): the decoder layers in one C++ call
+        # (kernels/layers.cpp; same bits; False: FlatLayers)
+        self.native = True
         self._plan = None
         self.post_load()
 
@@ -276,7 +279,9 @@ class Model(nn.Module):
         layers = FlatLayers(norms, qk_norms, lins, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                             float(c.rms_norm_eps), float(a0.scale), act, fused_qkv, fused_mlp, a0.exact_kernel)
         # CPU only: on CUDA TorchScript fuses elementwise operators (other bits), and CUDA graphs serve there
-        return flat.script(layers) if self.script and self.model.embed_tokens.weight.device.type == "cpu" else layers
+        cpu = self.model.embed_tokens.weight.device.type == "cpu"
+        plan = flat.script(layers) if self.script and cpu else layers
+        return NativeLayers(layers, plan) if self.native and cpu and NativeLayers.applies(layers) else plan
 
     def _flat(self, input_ids: torch.Tensor, cache: KVCache, logits: str | None, taps) -> Output:
         # T tokens of one sequence through exactly the kernels of the layer modules above, with their
@@ -287,9 +292,10 @@ class Model(nn.Module):
         # attention call. Same bits as the module path (`flat = False`; tests/test_fast.py).
         if self._plan is None:
             self._plan = {}
-        if self.script not in self._plan:
+        key = (self.script, self.native)
+        if key not in self._plan:
             try:
-                self._plan[self.script] = self._decode_plan()
+                self._plan[key] = self._decode_plan()
             except TypeError as e:  # a layer type the flat path does not know: the modules, as before
                 warnings.warn(f"{e}: decode steps run through the layer modules", stacklevel=2)
                 self.flat = False
@@ -300,7 +306,7 @@ class Model(nn.Module):
             raise ValueError(f"KV cache overflow: position {end} > capacity {cache.max_len}")
         cos, sin = self.rotary(torch.arange(pos, end, device=input_ids.device), self.model.embed_tokens.weight.dtype)
         x = self.model.embed_tokens(input_ids[0])  # [T, H]
-        x, tapped = self._plan[self.script](x, cos[:, None], sin[:, None], pos, cache.k, cache.v, list(taps))
+        x, tapped = self._plan[key](x, cos[:, None], sin[:, None], pos, cache.k, cache.v, list(taps))
         cache.length = end
         if taps:  # tapped in layer order; the features go in the order asked for
             by_layer = dict(zip(sorted(set(taps)), tapped))
@@ -384,6 +390,37 @@ class FlatLayers(nn.Module):
                  for j in range(t)]  # T x [1, H, 1, D]
             attn = o[0].view(1, h * d) if t == 1 else torch.cat(o, dim=2).transpose(1, 2).reshape(t, h * d)
         return attn
+
+
+class NativeLayers:
+    """FlatLayers' path for layers whose linear layers are all block formats, fused q/k/v and gate/up, full
+    rotary, no q/k norms and float32 activations, in one call of kernels/layers.cpp: the same operators in
+    the same order (same bits, tests/test_fast.py), without the few microseconds of dispatch each of a
+    decode step's few hundred operators costs from Python or TorchScript. `fallback` (FlatLayers, maybe
+    scripted) serves any other pass."""
+
+    def __init__(self, layers: FlatLayers, fallback) -> None:
+        self.layers, self.fallback = layers, fallback
+        self.norms = list(layers.norms)
+        self.packed = [spec[1] for spec in layers.lins]
+        self.codes = [spec[4] for spec in layers.lins]  # 8 * out_features + format
+        self.biases = [spec[3] for spec in layers.lins]
+
+    @staticmethod
+    def applies(layers: FlatLayers) -> bool:
+        from .. import kernels
+
+        return (layers.exact_kernel and layers.fused_qkv and layers.fused_mlp and not layers.qk_norms
+                and all(spec[0] == flat.BLOCK for spec in layers.lins) and kernels.ensure() == "compiled")
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: int, keys: torch.Tensor,
+                 values: torch.Tensor, taps: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        f = self.layers
+        if x.dtype != torch.float32 or cos.shape[-1] != f.d:
+            return self.fallback(x, cos, sin, pos, keys, values, taps)
+        return torch.ops.dflash.decoder_stack(x, cos, flat.signed(sin), pos, keys, values, taps, self.norms,
+                                              self.packed, self.codes, self.biases, f.eps, f.h, f.hkv, f.scale,
+                                              f.act)
 
 
 # For TorchScript, which cannot read string annotations (this file's are) nor infer the type of an empty

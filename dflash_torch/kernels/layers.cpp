@@ -1,0 +1,105 @@
+// A Llama-family decoder stack whose linear layers are all block-format matmuls, in one call: for each
+// layer, RMSNorm -> fused q/k/v -> rotary + cache write + attention -> output projection + residual ->
+// RMSNorm -> fused gate/up -> activation * up -> down projection + residual. It calls exactly the
+// operators `llama.FlatLayers` calls on that path (the dflash kernels through the dispatcher, the
+// activation and product through ATen), in the same order, so its results are FlatLayers' bit for bit
+// (tests/test_fast.py). What it saves is everything between them: a decode step of a small model is a
+// few hundred small operators, and from Python or TorchScript each one costs microseconds of dispatch,
+// boxing and bookkeeping that a compiled loop does not pay.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+// the other kernels of this library, looked up once (typed handles: an unboxed call, no IValues)
+struct Ops {
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t)> mm;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, const Tensor&, int64_t)> mm_add;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double, int64_t)> norm;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
+                                  int64_t, int64_t, double)>
+      rope_attention;
+};
+
+const Ops& ops() {
+  static const Ops o = [] {
+    auto& d = c10::Dispatcher::singleton();
+    return Ops{
+        d.findSchemaOrThrow("dflash::block_mm", "").typed<Tensor(const Tensor&, const Tensor&, int64_t, int64_t,
+                                                                 int64_t)>(),
+        d.findSchemaOrThrow("dflash::block_mm_add", "")
+            .typed<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, const Tensor&, int64_t)>(),
+        d.findSchemaOrThrow("dflash::rms_norm", "").typed<Tensor(const Tensor&, const Tensor&, double, int64_t)>(),
+        d.findSchemaOrThrow("dflash::rope_attention", "")
+            .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
+                          int64_t, double)>(),
+    };
+  }();
+  return o;
+}
+
+// flat.linear for a BLOCK layer: the kernel's float32 output (+ bias)
+Tensor linear(const Ops& o, const Tensor& x, const Tensor& packed, int64_t code, const std::optional<Tensor>& bias) {
+  Tensor y = o.mm.call(x, packed, code % 8, code / 8, -1);
+  return bias.has_value() ? y + *bias : y;
+}
+
+// flat.add_linear: r + linear(x), the add inside the kernel where there is no bias
+Tensor add_linear(const Ops& o, const Tensor& r, const Tensor& x, const Tensor& packed, int64_t code,
+                  const std::optional<Tensor>& bias) {
+  if (!bias.has_value()) return o.mm_add.call(x, packed, code % 8, code / 8, r, -1);
+  return r + linear(o, x, packed, code, bias);
+}
+
+// x [T, H] float32 through every layer; keys/values the cache [L, 1, Hkv, S, D]; per layer 2 norms and 4
+// linear layers (qkv, o, gate_up, down: packed blocks, 8 * out_features + format, optional bias); act 0
+// silu, 1 gelu (tanh), 2 gelu. Returns x and the outputs of the layers listed in taps, in layer order.
+std::tuple<Tensor, std::vector<Tensor>> decoder_stack(
+    const Tensor& x_in, const Tensor& cos, const Tensor& signed_sin, int64_t pos, Tensor& keys, Tensor& values,
+    at::IntArrayRef taps, at::TensorList norms, at::TensorList packed, at::IntArrayRef codes,
+    const c10::List<std::optional<Tensor>>& biases, double eps, int64_t h, int64_t hkv, double scale, int64_t act) {
+  const int64_t layers = keys.size(0);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decoder_stack takes float32 x [T, H]");
+  TORCH_CHECK(values.size(0) == layers && (int64_t)norms.size() == 2 * layers &&
+                  (int64_t)packed.size() == 4 * layers && (int64_t)codes.size() == 4 * layers &&
+                  (int64_t)biases.size() == 4 * layers,
+              "decoder_stack: per layer 2 norms and 4 linear layers, and a cache of as many layers");
+  TORCH_CHECK(act >= 0 && act <= 2, "unknown activation code ", act);
+  const Ops& o = ops();
+  std::vector<std::optional<Tensor>> b(biases.begin(), biases.end());
+  std::vector<Tensor> tapped;
+  Tensor x = x_in;
+  for (int64_t i = 0; i < layers; i++) {
+    Tensor y = o.norm.call(x, norms[2 * i], eps, -1);
+    Tensor qkv = linear(o, y, packed[4 * i], codes[4 * i], b[4 * i]);
+    Tensor k = keys.select(0, i).select(0, 0), v = values.select(0, i).select(0, 0);  // [Hkv, S, D]
+    Tensor attn = o.rope_attention.call(qkv, cos, signed_sin, k, v, pos, h, hkv, scale);  // [T, H * D]
+    x = add_linear(o, x, attn, packed[4 * i + 1], codes[4 * i + 1], b[4 * i + 1]);
+    y = o.norm.call(x, norms[2 * i + 1], eps, -1);
+    std::vector<Tensor> gu = linear(o, y, packed[4 * i + 2], codes[4 * i + 2], b[4 * i + 2]).chunk(2, -1);
+    Tensor gate = act == 0 ? at::silu(gu[0]) : at::gelu(gu[0], act == 1 ? "tanh" : "none");
+    x = add_linear(o, x, gate * gu[1], packed[4 * i + 3], codes[4 * i + 3], b[4 * i + 3]);
+    for (int64_t t : taps)
+      if (t == i) {  // once, however often taps lists it
+        tapped.push_back(x);
+        break;
+      }
+  }
+  return {x, tapped};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dflash, m) {
+  m.def("decoder_stack(Tensor x, Tensor cos, Tensor signed_sin, int pos, Tensor(a!) keys, Tensor(b!) values, "
+        "int[] taps, Tensor[] norms, Tensor[] packed, int[] codes, Tensor?[] biases, float eps, int h, int hkv, "
+        "float scale, int act) -> (Tensor, Tensor[])");
+  m.impl("decoder_stack", c10::DispatchKey::CPU, &decoder_stack);
+}
