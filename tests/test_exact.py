@@ -85,30 +85,35 @@ def test_speculative_equals_target_only_bit_for_bit(quantized, fmt):
     assert accepted > checked  # the drafts were really kept, often
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fmt", FORMATS)
 @torch.inference_mode()
-def test_flat_path_equals_layer_modules(quantized, fmt):
+def test_flat_path_equals_layer_modules(quantized, fmt, threads):
     """The one-call C++ decoder stack (kernels/layers.cpp), the flat (scripted) decode path and the layer
     modules compute the same bits on block weights (logits, tap features, the cache), for decode steps,
     verify blocks and prefills; the stack serves the Llama and Qwen2 targets (biases included), Qwen3's
-    q/k norms take the scripted path."""
+    q/k norms take the scripted path. With two threads the stack's kernels split rows (quantization, the
+    rotation, the activation) and columns between them: the same bits as the module path on one thread."""
     from dflash_torch import kernels
     from dflash_torch.models.llama import NativeLayers
 
     rng = random.Random(2)
+    before = torch.get_num_threads()
     for kind, target, _ in quantized[fmt]:
         for t in (1, 7, 40):
             prompt = [rng.randrange(255) for _ in range(t)]
             outs = []
-            for flat, native in ((True, True), (True, False), (False, False)):
+            for flat, native, n_threads in ((True, True, threads), (True, False, threads), (False, False, 1)):
                 target.flat, target.native = flat, native
+                torch.set_num_threads(n_threads)
                 cache = target.new_cache(64)
                 target(torch.tensor([[3, 4]]), cache, logits=None)
                 out = target(torch.tensor([prompt]), cache, logits="all", taps=(2, 0, 2))
                 n = cache.length
                 outs.append((out.logits, out.hidden, cache.k[:, :, :, :n], cache.v[:, :, :, :n]))
             target.flat, target.native = True, True
+            torch.set_num_threads(before)
             for other in outs[1:]:
-                assert all(torch.equal(a, b) for a, b in zip(outs[0], other)), (kind, t)
+                assert all(torch.equal(a, b) for a, b in zip(outs[0], other)), (kind, t, threads)
         if kernels.ensure() == "compiled":
             assert isinstance(target._plan[(True, True)], NativeLayers) == (kind != "qwen3"), kind

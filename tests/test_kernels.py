@@ -283,6 +283,28 @@ def test_residual_add_inside_the_kernel_equals_adding_after(fmt):
             assert torch.equal(torch.ops.dflash.block_mm_add(x, p, code, n, r, isa), want), (m, n, k, isa)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_split_rows_and_columns_exactly(threads):
+    """With several threads each quantizes its share of the rows, then computes its share of the columns, in
+    one parallel region: the same bits as the reference on every path, including where there are fewer
+    column tiles or rows than threads (the tests otherwise run on one thread)."""
+    gen = torch.Generator().manual_seed(11)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for fmt in pack.FORMATS:
+            code = pack.FORMATS.index(fmt)
+            for m, n, k in ((1, 8, 32), (2, 40, 64), (16, 72, 96), (17, 200, 160), (33, 24, 64)):
+                p = pack.pack(pack.quantize(torch.randn(n, k, generator=gen), fmt), fmt)
+                x, r = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
+                want = reference.block_mm(x, p, code, n)
+                for isa in _isas():
+                    assert torch.equal(kernels.block_mm(x, p, code, n, isa), want), (fmt, m, n, k, isa)
+                    assert torch.equal(torch.ops.dflash.block_mm_add(x, p, code, n, r, isa), r + want), (fmt, m, n)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_rope_attention_equals_its_operators():
     """rope_attention (rotation, cache writes and attention in one call) == flat.rotate, the cache copies and
     causal_attention as separate operators, bit for bit; the reference writes the same cache."""

@@ -452,18 +452,21 @@ torch::Tensor rope_attention(const torch::Tensor& qkv_in, const torch::Tensor& c
   const float *xp = qkv.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const int64_t half = d / 2, row = (h + 2 * hkv) * d;
-  for (int64_t i = 0; i < t; i++) {
-    const float *c = cp + i * d, *sg = sp + i * d;
-    for (int64_t j = 0; j < h + hkv; j++) {
-      const float* x = xp + i * row + j * d;
-      float* out = j < h ? qp + (i * h + j) * d : kp + (j - h) * k.stride(0) + (start + i) * k.stride(1);
-      for (int64_t e = 0; e < half; e++) out[e] = x[e] * c[e] + x[e + half] * sg[e];  // two halves: vectorizable
-      for (int64_t e = half; e < d; e++) out[e] = x[e] * c[e] + x[e - half] * sg[e];
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  // positions are independent (each writes its own q row and cache slots): from 4 the threads share them
+  at::parallel_for(0, t, t >= 4 ? 1 : t, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
+      const float *c = cp + i * d, *sg = sp + i * d;
+      for (int64_t j = 0; j < h + hkv; j++) {
+        const float* x = xp + i * row + j * d;
+        float* out = j < h ? qp + (i * h + j) * d : kp + (j - h) * ks0 + (start + i) * ks1;
+        for (int64_t e = 0; e < half; e++) out[e] = x[e] * c[e] + x[e + half] * sg[e];  // two halves: vectorizable
+        for (int64_t e = half; e < d; e++) out[e] = x[e] * c[e] + x[e - half] * sg[e];
+      }
+      for (int64_t g = 0; g < hkv; g++)
+        std::memcpy(vp + g * vs0 + (start + i) * vs1, xp + i * row + (h + hkv + g) * d, sizeof(float) * d);
     }
-    for (int64_t g = 0; g < hkv; g++)
-      std::memcpy(vp + g * v.stride(0) + (start + i) * v.stride(1), xp + i * row + (h + hkv + g) * d,
-                  sizeof(float) * d);
-  }
+  });
   return causal_attention(q, k, v, start, scale, -1);
 }
 

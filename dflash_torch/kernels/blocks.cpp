@@ -25,6 +25,8 @@
 
 #include "blocks.h"
 
+#include <omp.h>
+
 namespace {
 
 using namespace dflash_blocks;
@@ -353,20 +355,35 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
   thread_local std::vector<int8_t> qbuf;
   thread_local std::vector<float> dbuf, dsbuf;
   thread_local std::vector<int32_t> sbuf;
+  thread_local std::vector<uint8_t> ubuf;  // Q8_0 on the 512-bit VNNI path: the quants + 128, unsigned
   const int64_t mpad = amx && m > 16 ? (m + 15) / 16 * 16 : m;  // AMX reads whole 16-row tiles past 16 rows
   qbuf.resize(mpad * k);
   std::memset(qbuf.data() + m * k, 0, (mpad - m) * k);
   dbuf.resize(m * nb);
   dsbuf.resize(m * nb);
   sbuf.resize(m * nb);
-  quantize_rows(x.data_ptr<float>(), m, k, qbuf.data(), dbuf.data(), sbuf.data(), isa);
-  for (int64_t i = 0; i < m * nb; i++) dsbuf[i] = dbuf[i] * (float)sbuf[i];  // Q4_1's d * sum, rounded once
-  thread_local std::vector<uint8_t> ubuf;  // Q8_0 on the 512-bit VNNI path: the quants + 128, unsigned
-  if (fmt == Q8_0 && isa == VNNI) {
-    ubuf.resize(m * k);
-    for (int64_t i = 0; i < m * k; i++) ubuf[i] = (uint8_t)qbuf[i] ^ 0x80;
-  }
-  const Rows rows{qbuf.data(), dbuf.data(), sbuf.data(), dsbuf.data(), ubuf.data(), k, nb};
+  const bool unsigned_q8 = fmt == Q8_0 && isa == VNNI;
+  if (unsigned_q8) ubuf.resize(m * k);
+  // raw pointers: the buffers are the calling thread's, and the other threads of the region write into them
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = qbuf.data();
+  float *dp = dbuf.data(), *dsp = dsbuf.data();
+  int32_t* sp = sbuf.data();
+  uint8_t* up = unsigned_q8 ? ubuf.data() : nullptr;
+  auto quantize = [=](int64_t r0, int64_t r1) {  // rows [r0, r1): quants, scales, sums, Q4_1's d * sum
+    for (int64_t r = r0; r < r1; r++) {
+#ifdef DFLASH_X86
+      if (isa >= AVX2)
+        quantize_row_avx2(xp + r * k, k, qp + r * k, dp + r * nb, sp + r * nb);
+      else
+#endif
+        quantize_row_scalar(xp + r * k, k, qp + r * k, dp + r * nb, sp + r * nb);
+      for (int64_t i = r * nb; i < (r + 1) * nb; i++) dsp[i] = dp[i] * (float)sp[i];  // rounded once
+      if (up != nullptr)
+        for (int64_t i = r * k; i < (r + 1) * k; i++) up[i] = (uint8_t)qp[i] ^ 0x80;
+    }
+  };
+  const Rows rows{qp, dp, sp, dsp, up, k, nb};
   const float* rp = nullptr;
   torch::Tensor r;
   if (residual != nullptr) {
@@ -379,26 +396,44 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t groups = (n + GROUP - 1) / GROUP, gstride = nb * group_bytes(fmt);
-#ifdef DFLASH_AMX
-  if (amx) {  // threads split tiles of 16 output columns
-    at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t c0, int64_t c1) {
-      columns_amx(fmt, wp, gstride, groups, nb, rows, m, c0, c1, yp, n, rp);
-    });
-    return y;
-  }
-#endif
 #ifdef DFLASH_X86
-  if (isa == VNNI) {  // threads split pairs of column groups
-    at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-      columns_vnni(fmt, wp, gstride, groups, nb, rows, m, p0, p1, yp, n, rp);
-    });
+  if (amx || isa == VNNI) {
+    // One parallel region for both steps: each thread quantizes its share of the rows, and after a barrier
+    // takes its share of the output columns (tiles of 16: AMX tiles, or pairs of column groups for VNNI).
+    // A verify pass's rows are quantized in parallel then, and the call forks its threads once, not twice.
+    const int64_t units = (groups + 1) / 2;
+    const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+      const int64_t rows_per = (m + nth - 1) / nth;
+      quantize(std::min(m, tid * rows_per), std::min(m, (tid + 1) * rows_per));
+#pragma omp barrier
+      const int64_t per = (units + nth - 1) / nth, c0 = std::min(units, tid * per), c1 = std::min(units, c0 + per);
+      if (c0 < c1) {
+#ifdef DFLASH_AMX
+        if (amx)
+          columns_amx(fmt, wp, gstride, groups, nb, rows, m, c0, c1, yp, n, rp);
+        else
+#endif
+          columns_vnni(fmt, wp, gstride, groups, nb, rows, m, c0, c1, yp, n, rp);
+      }
+    }
     return y;
   }
 #endif
-  for (int64_t t0 = 0; t0 < m; t0 += TILE_ROWS) {
-    const int64_t t1 = std::min(m, t0 + TILE_ROWS);
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      float acc[TILE_ROWS * GROUP];
+  // the 8-column paths: the same single region, threads splitting column groups
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    const int64_t rows_per = (m + nth - 1) / nth;
+    quantize(std::min(m, tid * rows_per), std::min(m, (tid + 1) * rows_per));
+#pragma omp barrier
+    const int64_t per = (groups + nth - 1) / nth, g0 = std::min(groups, tid * per), g1 = std::min(groups, g0 + per);
+    float acc[TILE_ROWS * GROUP];
+    for (int64_t t0 = 0; t0 < m; t0 += TILE_ROWS) {
+      const int64_t t1 = std::min(m, t0 + TILE_ROWS);
       for (int64_t g = g0; g < g1; g++) {
         std::memset(acc, 0, sizeof(float) * (t1 - t0) * GROUP);
         const uint8_t* wg = wp + g * gstride;
@@ -411,7 +446,7 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
         const int64_t cols = std::min<int64_t>(GROUP, n - g * GROUP);
         store_rows(yp, rp, n, t0, t1 - t0, g * GROUP, cols, acc, GROUP);
       }
-    });
+    }
   }
   return y;
 }

@@ -8,6 +8,7 @@
 // boxing and bookkeeping that a compiled loop does not pay.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -58,6 +59,31 @@ Tensor add_linear(const Ops& o, const Tensor& r, const Tensor& x, const Tensor& 
   return r + linear(o, x, packed, code, bias);
 }
 
+// act(gate) * up (act 0 silu, 1 gelu (tanh), 2 gelu) as `F.silu(gate) * up` computes it; from 4 rows the
+// threads take the rows in shares. Each element gets the operations it gets from one call on all rows
+// (the views are strided, so every row is its own inner loop of the elementwise kernels), so the bits
+// are the same.
+Tensor act_mul(const Tensor& gate, const Tensor& up, int64_t act) {
+  auto apply = [act](Tensor& out, const Tensor& g) {
+    if (act == 0) at::silu_out(out, g);
+    else at::gelu_out(out, g, act == 1 ? "tanh" : "none");
+  };
+  const int64_t t = gate.size(0);
+  Tensor out = at::empty({t, gate.size(1)}, gate.options());
+  if (t < 4) {
+    apply(out, gate);
+    return out.mul_(up);
+  }
+  const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the other threads are told
+  at::parallel_for(0, t, 1, [&](int64_t r0, int64_t r1) {
+    c10::InferenceMode mode(inference);
+    Tensor o = out.slice(0, r0, r1);
+    apply(o, gate.slice(0, r0, r1));
+    o.mul_(up.slice(0, r0, r1));
+  });
+  return out;
+}
+
 // x [T, H] float32 through every layer; keys/values the cache [L, 1, Hkv, S, D]; per layer 2 norms and 4
 // linear layers (qkv, o, gate_up, down: packed blocks, 8 * out_features + format, optional bias); act 0
 // silu, 1 gelu (tanh), 2 gelu. Returns x and the outputs of the layers listed in taps, in layer order.
@@ -84,8 +110,7 @@ std::tuple<Tensor, std::vector<Tensor>> decoder_stack(
     x = add_linear(o, x, attn, packed[4 * i + 1], codes[4 * i + 1], b[4 * i + 1]);
     y = o.norm.call(x, norms[2 * i + 1], eps, -1);
     std::vector<Tensor> gu = linear(o, y, packed[4 * i + 2], codes[4 * i + 2], b[4 * i + 2]).chunk(2, -1);
-    Tensor gate = act == 0 ? at::silu(gu[0]) : at::gelu(gu[0], act == 1 ? "tanh" : "none");
-    x = add_linear(o, x, gate * gu[1], packed[4 * i + 3], codes[4 * i + 3], b[4 * i + 3]);
+    x = add_linear(o, x, act_mul(gu[0], gu[1], act), packed[4 * i + 3], codes[4 * i + 3], b[4 * i + 3]);
     for (int64_t t : taps)
       if (t == i) {  // once, however often taps lists it
         tapped.push_back(x);
