@@ -27,6 +27,8 @@
 
 #include <omp.h>
 
+#include <utility>
+
 namespace {
 
 using namespace dflash_blocks;
@@ -396,55 +398,50 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t groups = (n + GROUP - 1) / GROUP, gstride = nb * group_bytes(fmt);
-#ifdef DFLASH_X86
-  if (amx || isa == VNNI) {
-    // One parallel region for both steps: each thread quantizes its share of the rows, and after a barrier
-    // takes its share of the output columns (tiles of 16: AMX tiles, or pairs of column groups for VNNI).
-    // A verify pass's rows are quantized in parallel then, and the call forks its threads once, not twice.
-    const int64_t units = (groups + 1) / 2;
-    const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
-#pragma omp parallel num_threads(threads)
-    {
-      const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
-      const int64_t rows_per = (m + nth - 1) / nth;
-      quantize(std::min(m, tid * rows_per), std::min(m, (tid + 1) * rows_per));
-#pragma omp barrier
-      const int64_t per = (units + nth - 1) / nth, c0 = std::min(units, tid * per), c1 = std::min(units, c0 + per);
-      if (c0 < c1) {
-#ifdef DFLASH_AMX
-        if (amx)
-          columns_amx(fmt, wp, gstride, groups, nb, rows, m, c0, c1, yp, n, rp);
-        else
-#endif
-          columns_vnni(fmt, wp, gstride, groups, nb, rows, m, c0, c1, yp, n, rp);
-      }
-    }
-    return y;
-  }
-#endif
-  // the 8-column paths: the same single region, threads splitting column groups
-  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
+  // One parallel region for both steps: each thread quantizes its share of the rows, and after a barrier
+  // takes its share of the output columns: tiles of 16 (AMX tiles, or pairs of column groups for VNNI),
+  // else column groups of 8. A verify pass's rows are quantized in parallel, and the call forks once.
+  const bool wide = amx || isa == VNNI;
+  const int64_t units = wide ? (groups + 1) / 2 : groups;
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
 #pragma omp parallel num_threads(threads)
   {
     const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
-    const int64_t rows_per = (m + nth - 1) / nth;
-    quantize(std::min(m, tid * rows_per), std::min(m, (tid + 1) * rows_per));
+    auto share = [&](int64_t total) {  // this thread's [begin, end) of total, in nth even chunks
+      const int64_t per = (total + nth - 1) / nth, begin = std::min(total, tid * per);
+      return std::make_pair(begin, std::min(total, begin + per));
+    };
+    const auto [r0, r1] = share(m);
+    quantize(r0, r1);
 #pragma omp barrier
-    const int64_t per = (groups + nth - 1) / nth, g0 = std::min(groups, tid * per), g1 = std::min(groups, g0 + per);
-    float acc[TILE_ROWS * GROUP];
-    for (int64_t t0 = 0; t0 < m; t0 += TILE_ROWS) {
-      const int64_t t1 = std::min(m, t0 + TILE_ROWS);
-      for (int64_t g = g0; g < g1; g++) {
-        std::memset(acc, 0, sizeof(float) * (t1 - t0) * GROUP);
-        const uint8_t* wg = wp + g * gstride;
+    const auto [u0, u1] = share(units);
+    if (wide) {
 #ifdef DFLASH_X86
-        if (isa == AVX2)
-          tile_avx2(fmt, wg, nb, rows, t0, t1, acc);
+      if (u0 < u1) {
+#ifdef DFLASH_AMX
+        if (amx)
+          columns_amx(fmt, wp, gstride, groups, nb, rows, m, u0, u1, yp, n, rp);
         else
 #endif
-          tile_scalar(fmt, wg, nb, rows, t0, t1, acc);
-        const int64_t cols = std::min<int64_t>(GROUP, n - g * GROUP);
-        store_rows(yp, rp, n, t0, t1 - t0, g * GROUP, cols, acc, GROUP);
+          columns_vnni(fmt, wp, gstride, groups, nb, rows, m, u0, u1, yp, n, rp);
+      }
+#endif
+    } else {
+      float acc[TILE_ROWS * GROUP];
+      for (int64_t t0 = 0; t0 < m; t0 += TILE_ROWS) {
+        const int64_t t1 = std::min(m, t0 + TILE_ROWS);
+        for (int64_t g = u0; g < u1; g++) {
+          std::memset(acc, 0, sizeof(float) * (t1 - t0) * GROUP);
+          const uint8_t* wg = wp + g * gstride;
+#ifdef DFLASH_X86
+          if (isa == AVX2)
+            tile_avx2(fmt, wg, nb, rows, t0, t1, acc);
+          else
+#endif
+            tile_scalar(fmt, wg, nb, rows, t0, t1, acc);
+          const int64_t cols = std::min<int64_t>(GROUP, n - g * GROUP);
+          store_rows(yp, rp, n, t0, t1 - t0, g * GROUP, cols, acc, GROUP);
+        }
       }
     }
   }

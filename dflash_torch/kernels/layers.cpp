@@ -99,18 +99,17 @@ std::tuple<Tensor, std::vector<Tensor>> decoder_stack(
               "decoder_stack: per layer 2 norms and 4 linear layers, and a cache of as many layers");
   TORCH_CHECK(act >= 0 && act <= 2, "unknown activation code ", act);
   const Ops& o = ops();
-  std::vector<std::optional<Tensor>> b(biases.begin(), biases.end());
   std::vector<Tensor> tapped;
   Tensor x = x_in;
   for (int64_t i = 0; i < layers; i++) {
     Tensor y = o.norm.call(x, norms[2 * i], eps, -1);
-    Tensor qkv = linear(o, y, packed[4 * i], codes[4 * i], b[4 * i]);
+    Tensor qkv = linear(o, y, packed[4 * i], codes[4 * i], biases.get(4 * i));
     Tensor k = keys.select(0, i).select(0, 0), v = values.select(0, i).select(0, 0);  // [Hkv, S, D]
     Tensor attn = o.rope_attention.call(qkv, cos, signed_sin, k, v, pos, h, hkv, scale);  // [T, H * D]
-    x = add_linear(o, x, attn, packed[4 * i + 1], codes[4 * i + 1], b[4 * i + 1]);
+    x = add_linear(o, x, attn, packed[4 * i + 1], codes[4 * i + 1], biases.get(4 * i + 1));
     y = o.norm.call(x, norms[2 * i + 1], eps, -1);
-    std::vector<Tensor> gu = linear(o, y, packed[4 * i + 2], codes[4 * i + 2], b[4 * i + 2]).chunk(2, -1);
-    x = add_linear(o, x, act_mul(gu[0], gu[1], act), packed[4 * i + 3], codes[4 * i + 3], b[4 * i + 3]);
+    std::vector<Tensor> gu = linear(o, y, packed[4 * i + 2], codes[4 * i + 2], biases.get(4 * i + 2)).chunk(2, -1);
+    x = add_linear(o, x, act_mul(gu[0], gu[1], act), packed[4 * i + 3], codes[4 * i + 3], biases.get(4 * i + 3));
     for (int64_t t : taps)
       if (t == i) {  // once, however often taps lists it
         tapped.push_back(x);
