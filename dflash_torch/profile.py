@@ -62,9 +62,13 @@ def profile_pipeline(pipe, sizes: list[int], context: int = 128, repeats: int = 
             drafter.propose(target, block, out.hidden, dcache)
             steady, seen = out.hidden[:, :4], dcache.length  # seen: fewer slots than positions if windowed
 
-            def draft_steady(b=b, block=block, dcache=dcache, steady=steady, seen=seen):
+            # as a greedy cycle drafts (proposers.DrafterProposer): over the draft vocabulary's rows
+            kw = {"full": False} if getattr(drafter, "draft_vocab", None) is not None and not hasattr(
+                drafter, "select") else {}
+
+            def draft_steady(b=b, block=block, dcache=dcache, steady=steady, seen=seen, kw=kw):
                 dcache.crop(seen - 4)
-                kernels.argmax(drafter.propose(target, block, steady, dcache)[0])
+                kernels.argmax(drafter.propose(target, block, steady, dcache, **kw)[0])
 
             fns[("draft", b)] = draft_steady
     t = _time_rounds(fns, repeats)

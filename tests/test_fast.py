@@ -13,7 +13,8 @@ from dflash_torch.decoding.drafter import FlatDraft, load_drafter
 from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import Pipeline
 from dflash_torch.models import layers
-from dflash_torch.models.quantize import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from dflash_torch.models.layers import RMSNorm
+from dflash_torch.models.quantize import Int4Linear, Int8Linear, quantize_blocks, quantize_int4, quantize_int8
 from dflash_torch.profile import profile_pipeline
 
 from .conftest import BF16_STEP, F32_STEP, assert_within_steps, make_drafter, within_steps
@@ -543,14 +544,23 @@ def test_flat_path_falls_back_without_torchscript_or_for_unknown_layers(tiny_mod
 
 
 @pytest.mark.fastpath
-@pytest.mark.parametrize("quant", [None, "bfloat16", "int8", "int4"])
-def test_flat_draft_pass_equals_module_path(pair, quant):
+@pytest.mark.parametrize("quant", [None, "bfloat16", "int8", "int4", "q4_0", "q8_0"])
+def test_flat_draft_pass_equals_module_path(pair, quant, tmp_path, monkeypatch):
     """Draft passes go through drafter.FlatDraft (in Python and compiled by TorchScript): logits and the
-    drafter's cache are bit for bit the modules', over cycles with new context of several lengths."""
+    drafter's cache are bit for bit the modules', over cycles with new context of several lengths (block
+    formats: the drafter as generate loads it, its norms on kernels/norm.cpp)."""
     path, dpath = pair
     dtype = torch.bfloat16 if quant == "bfloat16" else torch.float32
-    target = _load(path, None if quant == "bfloat16" else quant, dtype)
-    drafter = load_drafter(dpath, dtype=dtype)
+    if quant in ("q4_0", "q8_0"):
+        from dflash_torch.decoding import drafter_blocks
+
+        monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
+        target = quantize_blocks(_load(path), quant)
+        drafter = drafter_blocks.load_in_blocks(dpath, quant, torch.device("cpu"), dtype)
+        assert all(m.kernel for m in drafter.modules() if isinstance(m, RMSNorm))
+    else:
+        target = _load(path, None if quant == "bfloat16" else quant, dtype)
+        drafter = load_drafter(dpath, dtype=dtype)
     if quant in ("int8", "int4"):
         (quantize_int8 if quant == "int8" else quantize_int4)(drafter)
     drafter.fuse_context_kv()

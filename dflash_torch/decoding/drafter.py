@@ -176,6 +176,7 @@ class FlatDraft(nn.Module):
         a0, m0 = d.layers[0].self_attn, d.layers[0].mlp
         self.h, self.hkv, self.dh, self.scale = a0.n_heads, a0.n_kv, a0.head_dim, float(a0.scale)
         self.eps = float(d.norm.eps)
+        self.kernel = bool(d.norm.kernel)  # kernels/norm.cpp for every norm (drafter_blocks sets them together)
         self.fc = flat.linear_spec(d.fc)
         self.hidden_norm, self.final_norm = flat.norm_weight(d.hidden_norm), flat.norm_weight(d.norm)
         self.ctx_kv_weight, self.ctx_kv_bias, self.skinny = d.ctx_kv_weight, d.ctx_kv_bias, d.skinny
@@ -203,7 +204,8 @@ class FlatDraft(nn.Module):
         # x [T, H] the embedded block; ctx [Tc, F] new tap features at positions start..; cos/sin [T or Tc,
         # 1, D]; keys/values: the drafter's cache [L, 1, Hkv, S, D] (context, then the block as scratch)
         t, tc, h, hkv, dh, eps, n = x.shape[0], ctx.shape[0], self.h, self.hkv, self.dh, self.eps, self.per_layer
-        c = flat.rms_norm(flat.linear(ctx, self.fc), self.hidden_norm, eps)  # [Tc, H]
+        kn = self.kernel
+        c = flat.norm(flat.linear(ctx, self.fc), self.hidden_norm, eps, kn)  # [Tc, H]
         kv = linear(c, self.ctx_kv_weight, self.ctx_kv_bias, self.skinny)
         kv = kv.chunk(2 * keys.shape[0], dim=-1)  # k, v per layer
         q_signed, c_signed = flat.signed(q_sin), flat.signed(c_sin)
@@ -211,12 +213,12 @@ class FlatDraft(nn.Module):
         for i in range(keys.shape[0]):
             ls = self.lins[i * n : (i + 1) * n]
             k_norm = self.qk_norms[2 * i + 1]
-            y = flat.rms_norm(x, self.norms[2 * i], eps)
-            q = flat.rotate(flat.rms_norm(flat.linear(y, ls[0]).view(t, h, dh), self.qk_norms[2 * i], eps),
+            y = flat.norm(x, self.norms[2 * i], eps, kn)
+            q = flat.rotate(flat.norm(flat.linear(y, ls[0]).view(t, h, dh), self.qk_norms[2 * i], eps, kn),
                             q_cos, q_sin, q_signed)  # [T, H, D]
-            k_blk = flat.rotate(flat.rms_norm(flat.linear(y, ls[1]).view(t, hkv, dh), k_norm, eps),
+            k_blk = flat.rotate(flat.norm(flat.linear(y, ls[1]).view(t, hkv, dh), k_norm, eps, kn),
                                 q_cos, q_sin, q_signed)
-            k_ctx = flat.rotate(flat.rms_norm(kv[2 * i].view(tc, hkv, dh), k_norm, eps), c_cos, c_sin, c_signed)
+            k_ctx = flat.rotate(flat.norm(kv[2 * i].view(tc, hkv, dh), k_norm, eps, kn), c_cos, c_sin, c_signed)
             layer_k, layer_v = keys[i], values[i]  # [1, Hkv, S, D]
             layer_k.narrow(2, start, tc).copy_(k_ctx.transpose(0, 1))
             layer_v.narrow(2, start, tc).copy_(kv[2 * i + 1].view(tc, hkv, dh).transpose(0, 1))
@@ -225,9 +227,9 @@ class FlatDraft(nn.Module):
             o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), layer_k.narrow(2, 0, end),
                                                layer_v.narrow(2, 0, end), scale=self.scale, enable_gqa=hkv != h)
             x = flat.add_linear(x, o[0].transpose(0, 1).reshape(t, h * dh), ls[3])  # o [1, H, T, D]
-            y = flat.rms_norm(x, self.norms[2 * i + 1], eps)
+            y = flat.norm(x, self.norms[2 * i + 1], eps, kn)
             x = flat.add_mlp(x, y, ls[4:5] if self.fused_mlp else ls[4:6], ls[-1], self.act)
-        return flat.rms_norm(x, self.final_norm, eps)
+        return flat.norm(x, self.final_norm, eps, kn)
 
 
 # For TorchScript (this file's annotations are strings; lists and Optionals need their types).
