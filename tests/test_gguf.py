@@ -211,6 +211,18 @@ def _hf_gguf(path):
     return model.float().eval()
 
 
+def _float32_cache(model, n: int):
+    """model.new_cache(n) with float32 keys and values, whatever the model keeps them in."""
+    kept = getattr(model, "cache_dtype", None)
+    if kept is not None:
+        model.cache_dtype = None
+    try:
+        return model.new_cache(n)
+    finally:
+        if kept is not None:
+            model.cache_dtype = kept
+
+
 def _quantized_activations(model, fmt: str):
     """Round every linear layer's input as the block kernels do (per row, blocks of 32, d = max|x| / 127,
     q = round(x / d): `kernels.reference.quantize_act`), so that transformers computes what the engine's
@@ -285,8 +297,11 @@ def test_gguf_family_matches_transformers(arch, qtype, tmp_path, monkeypatch):
     pipe = load(str(path), None, "cpu", quiet=True, quantize=quantize)
     ids = torch.tensor([IDS])
     hf = _hf_gguf(path)
+    # Against transformers, a float32 cache like its own (block formats keep theirs in float16, whose reads
+    # tests/test_kernels.py checks: the float32 kernel's results on the widened values, bit for bit).
+    t = pipe.target
     with torch.inference_mode():
-        ours = pipe.target(ids, pipe.target.new_cache(64), logits="all").logits
+        ours = t(ids, _float32_cache(t, 64), logits="all").logits
         theirs = hf(ids).logits
     # F32 / F16 files: both read the same float32 weights (F16 widened exactly) and differ only in the order
     # of float32 operations: a few ulps per op through a few layers, far under 1e-4 of logits of size ~1-10.

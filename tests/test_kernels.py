@@ -305,9 +305,24 @@ def test_threads_split_rows_and_columns_exactly(threads):
         torch.set_num_threads(before)
 
 
-def test_rope_attention_equals_its_operators():
+def test_float16_cache_reads_as_its_widened_values():
+    """A float16 cache (block-format targets keep theirs so) gives exactly what the float32 kernel gives on
+    the same values widened, on every path, for every shape the float32 test takes."""
+    gen = torch.Generator().manual_seed(12)
+    for t, h, hkv, d, start in ATTENTION_SHAPES:
+        s = start + t + 3
+        q = torch.randn(t, h, d, generator=gen)
+        k, v = (torch.randn(hkv, s, d, generator=gen).half() for _ in range(2))
+        for isa in _attention_isas():
+            got = torch.ops.dflash.causal_attention(q, k, v, start, d**-0.5, isa)
+            assert torch.equal(got, torch.ops.dflash.causal_attention(q, k.float(), v.float(), start, d**-0.5, isa))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_attention_equals_its_operators(dtype):
     """rope_attention (rotation, cache writes and attention in one call) == flat.rotate, the cache copies and
-    causal_attention as separate operators, bit for bit; the reference writes the same cache."""
+    causal_attention as separate operators, bit for bit; the reference writes the same cache. A float16
+    cache gets the rotated keys and the values rounded as Tensor.copy_ rounds them."""
     from dflash_torch.models import flat
 
     gen = torch.Generator().manual_seed(11)
@@ -316,7 +331,7 @@ def test_rope_attention_equals_its_operators():
     angles = torch.randn(t, 1, d, generator=gen)
     cos, sin = angles.cos(), angles.sin()
     signed = flat.signed(sin)
-    k_init, v_init = torch.randn(hkv, 20, d, generator=gen), torch.randn(hkv, 20, d, generator=gen)
+    k_init, v_init = (torch.randn(hkv, 20, d, generator=gen).to(dtype) for _ in range(2))
     caches = [(k_init.clone(), v_init.clone()) for _ in range(2)]
     k0, v0 = k_init.clone(), v_init.clone()
     got = torch.ops.dflash.rope_attention(qkv, cos, signed, caches[0][0], caches[0][1], start, h, hkv, 0.25)
@@ -327,7 +342,7 @@ def test_rope_attention_equals_its_operators():
     assert torch.equal(got, torch.ops.dflash.causal_attention(qk[:, :h], k0, v0, start, 0.25, -1))
     ref = reference.rope_attention(qkv, cos, signed, caches[1][0], caches[1][1], start, h, hkv, 0.25)
     assert torch.equal(caches[1][0], k0) and torch.equal(caches[1][1], v0)
-    assert (ref - got).abs().max() <= 4 * (start + t + d) * 2.0**-24 * v0.abs().max()
+    assert (ref - got).abs().max() <= 4 * (start + t + d) * 2.0**-24 * v0.float().abs().max()
 
 
 def test_argmax_rows_is_torch_argmax():

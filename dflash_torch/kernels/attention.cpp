@@ -58,14 +58,20 @@ inline float exp_scalar(float x) {
 
 inline float tree8(const float* a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
 
-float dot_scalar(const float* q, const float* k, int64_t d) {
+// a cached key or value element as float32 (float16 widens exactly)
+inline float widen(float x) { return x; }
+inline float widen(at::Half x) { return static_cast<float>(x); }
+
+template <typename KV>
+float dot_scalar(const float* q, const KV* k, int64_t d) {
   float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int64_t i = 0; i < d; i++) lane[i % 8] = std::fma(q[i], k[i], lane[i % 8]);
+  for (int64_t i = 0; i < d; i++) lane[i % 8] = std::fma(q[i], widen(k[i]), lane[i % 8]);
   return tree8(lane);
 }
 
 // one (query, head): scores over n keys into buf [n], output [d]
-void query_scalar(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t n, int64_t d,
+template <typename KV>
+void query_scalar(const float* q, const KV* k, int64_t ks, const KV* v, int64_t vs, int64_t n, int64_t d,
                   float scale, float* buf, float* out) {
   float m = -INFINITY;
   for (int64_t j = 0; j < n; j++) {
@@ -80,12 +86,18 @@ void query_scalar(const float* q, const float* k, int64_t ks, const float* v, in
   const float z = tree8(lane);
   for (int64_t i = 0; i < d; i++) out[i] = 0.f;
   for (int64_t j = 0; j < n; j++)
-    for (int64_t i = 0; i < d; i++) out[i] = std::fma(buf[j], v[j * vs + i], out[i]);
+    for (int64_t i = 0; i < d; i++) out[i] = std::fma(buf[j], widen(v[j * vs + i]), out[i]);
   for (int64_t i = 0; i < d; i++) out[i] = out[i] / z;
 }
 
 #ifdef DFLASH_X86
-#define DFLASH_AVX2 __attribute__((target("avx2,fma")))
+#define DFLASH_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// 8 cached floats (a float16 cache: 8 halves widened, exactly)
+DFLASH_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+DFLASH_AVX2 inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 DFLASH_AVX2 inline float tree8_avx2(__m256 a) {
   const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // l0+l4 .. l3+l7
@@ -131,23 +143,23 @@ DFLASH_AVX2 inline void reduce8_avx2(const __m256* a, __m256 sc, float* dst) {
   _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_permutevar8x32_ps(dots, order), sc));
 }
 
-template <int dv>  // head dim / 8, known at compile time so that the vectors stay in registers
-DFLASH_AVX2 void scores_avx2(const __m256* qv, const float* k, int64_t ks, int64_t j, int64_t lim, float scale,
+template <int dv, typename KV>  // head dim / 8, known at compile time so that the vectors stay in registers
+DFLASH_AVX2 void scores_avx2(const __m256* qv, const KV* k, int64_t ks, int64_t j, int64_t lim, float scale,
                              float* buf) {  // buf[j .. lim) = scores of keys j .. lim - 1
   const __m256 sc = _mm256_set1_ps(scale);
   for (; j + 8 <= lim; j += 8) {  // 8 keys at once, their 8-lane sums reduced together by the same tree
     __m256 a[8];
     for (int u = 0; u < 8; u++) {
-      const float* kj = k + (j + u) * ks;
+      const KV* kj = k + (j + u) * ks;
       a[u] = _mm256_setzero_ps();
-      for (int64_t c = 0; c < dv; c++) a[u] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), a[u]);
+      for (int64_t c = 0; c < dv; c++) a[u] = _mm256_fmadd_ps(qv[c], load8(kj + 8 * c), a[u]);
     }
     reduce8_avx2(a, sc, buf + j);
   }
   for (; j < lim; j++) {
-    const float* kj = k + j * ks;
+    const KV* kj = k + j * ks;
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t c = 0; c < dv; c++) acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), acc);
+    for (int64_t c = 0; c < dv; c++) acc = _mm256_fmadd_ps(qv[c], load8(kj + 8 * c), acc);
     buf[j] = tree8_avx2(acc) * scale;
   }
 }
@@ -184,14 +196,14 @@ DFLASH_AVX2 float softmax_avx2(float* buf, int64_t n) {
 }
 
 // one query's output sums a [8 dv] over keys j .. lim - 1 of its softmax weights p, in key order (fma)
-template <int dv>
-DFLASH_AVX2 inline void values_avx2(const float* p, const float* v, int64_t vs, int64_t j, int64_t lim, float* a) {
+template <int dv, typename KV>
+DFLASH_AVX2 inline void values_avx2(const float* p, const KV* v, int64_t vs, int64_t j, int64_t lim, float* a) {
   __m256 ov[dv];
   for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_loadu_ps(a + 8 * c);
   for (; j < lim; j++) {
     const __m256 pj = _mm256_set1_ps(p[j]);
-    const float* vj = v + j * vs;
-    for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), ov[c]);
+    const KV* vj = v + j * vs;
+    for (int64_t c = 0; c < dv; c++) ov[c] = _mm256_fmadd_ps(pj, load8(vj + 8 * c), ov[c]);
   }
   for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(a + 8 * c, ov[c]);
 }
@@ -207,9 +219,9 @@ DFLASH_AVX2 inline void finish_avx2(int count, const float* acc, const float* z,
 }
 
 // count queries q[u] (n[u] keys each) against one kv head; buf [count, stride] scratch, acc [count, 8 dv + 1]
-template <int dv>
-DFLASH_AVX2 void tile_avx2(const float* const* q, const int64_t* n, int count, const float* k, int64_t ks,
-                           const float* v, int64_t vs, float scale, float* buf, int64_t stride, float* acc,
+template <int dv, typename KV>
+DFLASH_AVX2 void tile_avx2(const float* const* q, const int64_t* n, int count, const KV* k, int64_t ks,
+                           const KV* v, int64_t vs, float scale, float* buf, int64_t stride, float* acc,
                            float* const* out) {
   int64_t nmax = 0;
   for (int u = 0; u < count; u++) nmax = std::max(nmax, n[u]);
@@ -237,22 +249,23 @@ DFLASH_AVX2 void tile_avx2(const float* const* q, const int64_t* n, int count, c
 // halves, so one instruction does both queries' lane operations: every lane sees the operations it sees on
 // the AVX2 path, in the same order, and the 8-lane sums are reduced per half by the same tree. Same bits,
 // about half the instructions. A pair's keys up to the shorter query's n go together, the rest alone.
-#define DFLASH_AVX512 __attribute__((target("avx2,fma,avx512f,avx512dq")))
+#define DFLASH_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512dq")))
 
-DFLASH_AVX512 inline __m512 both_halves(const float* p) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(p)); }
+template <typename KV>
+DFLASH_AVX512 inline __m512 both_halves(const KV* p) { return _mm512_broadcast_f32x8(load8(p)); }
 
 DFLASH_AVX512 inline __m512 pair_of(const float* a, const float* b) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
 }
 
-template <int dv>
-DFLASH_AVX512 void scores2_avx512(const __m512* qv, const float* k, int64_t ks, int64_t j, int64_t lim, float scale,
+template <int dv, typename KV>
+DFLASH_AVX512 void scores2_avx512(const __m512* qv, const KV* k, int64_t ks, int64_t j, int64_t lim, float scale,
                                   float* bufa, float* bufb) {
   const __m256 sc = _mm256_set1_ps(scale);
   for (; j + 8 <= lim; j += 8) {
     __m512 a[8];
     for (int u = 0; u < 8; u++) {
-      const float* kj = k + (j + u) * ks;
+      const KV* kj = k + (j + u) * ks;
       a[u] = _mm512_setzero_ps();
       for (int64_t c = 0; c < dv; c++) a[u] = _mm512_fmadd_ps(qv[c], both_halves(kj + 8 * c), a[u]);
     }
@@ -265,7 +278,7 @@ DFLASH_AVX512 void scores2_avx512(const __m512* qv, const float* k, int64_t ks, 
     reduce8_avx2(hi, sc, bufb + j);
   }
   for (; j < lim; j++) {
-    const float* kj = k + j * ks;
+    const KV* kj = k + j * ks;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t c = 0; c < dv; c++) acc = _mm512_fmadd_ps(qv[c], both_halves(kj + 8 * c), acc);
     bufa[j] = tree8_avx2(_mm512_castps512_ps256(acc)) * scale;
@@ -274,9 +287,9 @@ DFLASH_AVX512 void scores2_avx512(const __m512* qv, const float* k, int64_t ks, 
 }
 
 // tile_avx2 with the tile's queries taken two at a time (an odd one out runs on the AVX2 path)
-template <int dv>
-DFLASH_AVX512 void tile_avx512(const float* const* q, const int64_t* n, int count, const float* k, int64_t ks,
-                               const float* v, int64_t vs, float scale, float* buf, int64_t stride, float* acc,
+template <int dv, typename KV>
+DFLASH_AVX512 void tile_avx512(const float* const* q, const int64_t* n, int count, const KV* k, int64_t ks,
+                               const KV* v, int64_t vs, float scale, float* buf, int64_t stride, float* acc,
                                float* const* out) {
   int64_t nmax = 0;
   for (int u = 0; u < count; u++) nmax = std::max(nmax, n[u]);
@@ -320,7 +333,7 @@ DFLASH_AVX512 void tile_avx512(const float* const* q, const int64_t* n, int coun
         for (int64_t c = 0; c < dv; c++) ov[c] = pair_of(aa + 8 * c, ab + 8 * c);
         for (int64_t j = jb; j < both; j++) {
           const __m512 pj = _mm512_insertf32x8(_mm512_set1_ps(pa[j]), _mm256_set1_ps(pb[j]), 1);
-          const float* vj = v + j * vs;
+          const KV* vj = v + j * vs;
           for (int64_t c = 0; c < dv; c++) ov[c] = _mm512_fmadd_ps(pj, both_halves(vj + 8 * c), ov[c]);
         }
         for (int64_t c = 0; c < dv; c++) {
@@ -345,7 +358,8 @@ int64_t attention_isa() {  // 0 scalar, 1 AVX2 (+FMA), 2 AVX-512; ATEN_CPU_CAPAB
     const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
     if (cap && std::strcmp(cap, "default") == 0) return (int64_t)0;
     __builtin_cpu_init();
-    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return (int64_t)0;
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
+      return (int64_t)0;
     if (cap && std::strcmp(cap, "avx2") == 0) return (int64_t)1;
     return (int64_t)(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") ? 2 : 1);
   }();
@@ -355,34 +369,25 @@ int64_t attention_isa() {  // 0 scalar, 1 AVX2 (+FMA), 2 AVX-512; ATEN_CPU_CAPAB
 #endif
 }
 
-// q [T, H, D]; k, v [Hkv, S, D] (any strides with a contiguous last dim), keys 0 .. start + T - 1 written.
-torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
-                               double scale, int64_t isa) {
-  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, "causal_attention takes q [T, H, D], k/v [Hkv, S, D]");
-  TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32, "float32 keys and values");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "keys and values need a contiguous last dimension");
-  const int64_t t = q_in.size(0), h = q_in.size(1), d = q_in.size(2), hkv = k.size(0);
-  TORCH_CHECK(h % hkv == 0 && k.size(2) == d && v.size(2) == d && v.size(0) == hkv, "head shapes do not match");
-  TORCH_CHECK(start + t <= k.size(1), "queries past the cache: ", start + t, " > ", k.size(1));
-  const int64_t best = attention_isa();
-  if (isa < 0) isa = best;
-  TORCH_CHECK(isa <= best, "this CPU lacks attention path ", isa, " (best: ", best, ")");
-  using Tile = void (*)(const float* const*, const int64_t*, int, const float*, int64_t, const float*, int64_t, float,
+// query heads t * h of q [T, H, D] against a cache k, v [Hkv, S, D] of KV (float or float16) into out
+template <typename KV>
+void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start, double scale,
+            int64_t isa, torch::Tensor& out) {
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2), hkv = k.size(0);
+  using Tile = void (*)(const float* const*, const int64_t*, int, const KV*, int64_t, const KV*, int64_t, float,
                         float*, int64_t, float*, float* const*);
   Tile tile = nullptr;
 #ifdef DFLASH_X86
   if (isa == 2)
-    tile = d == 64 ? tile_avx512<8> : d == 128 ? tile_avx512<16> : d == 32 ? tile_avx512<4>
-         : d == 16 ? tile_avx512<2> : d == 256 ? tile_avx512<32> : d == 96 ? tile_avx512<12> : nullptr;
+    tile = d == 64 ? tile_avx512<8, KV> : d == 128 ? tile_avx512<16, KV> : d == 32 ? tile_avx512<4, KV>
+         : d == 16 ? tile_avx512<2, KV> : d == 256 ? tile_avx512<32, KV> : d == 96 ? tile_avx512<12, KV> : nullptr;
   else if (isa == 1)
-    tile = d == 64 ? tile_avx2<8> : d == 128 ? tile_avx2<16> : d == 32 ? tile_avx2<4>
-         : d == 16 ? tile_avx2<2> : d == 256 ? tile_avx2<32> : d == 96 ? tile_avx2<12> : nullptr;
+    tile = d == 64 ? tile_avx2<8, KV> : d == 128 ? tile_avx2<16, KV> : d == 32 ? tile_avx2<4, KV>
+         : d == 16 ? tile_avx2<2, KV> : d == 256 ? tile_avx2<32, KV> : d == 96 ? tile_avx2<12, KV> : nullptr;
 #endif
-  torch::Tensor q = q_in.to(torch::kFloat32).contiguous();
-  auto out = torch::empty({t, h * d}, torch::kFloat32);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const KV* kp = k.data_ptr<KV>();
+  const KV* vp = v.data_ptr<KV>();
   float* op = out.data_ptr<float>();
   const int64_t ks = k.stride(1), vs = v.stride(1), khs = k.stride(0), vhs = v.stride(0), group = h / hkv;
 #ifdef DFLASH_X86
@@ -416,7 +421,7 @@ torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k
              acc.data(), os.data());
       }
     });
-    return out;
+    return;
   }
 #endif
   // about 64k multiply-adds per task before a second thread pays for waking
@@ -431,13 +436,62 @@ torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k
       query_scalar(qv, kp + g * khs, ks, vp + g * vhs, vs, n, d, (float)scale, buf.data(), o);
     }
   });
+}
+
+// q [T, H, D]; k, v [Hkv, S, D] (any strides with a contiguous last dim), keys 0 .. start + T - 1 written.
+// The cache may hold float16 (a block-format target's): each element is widened exactly to float32 as it
+// is read, so the result is the float32 kernel's on the widened cache, bit for bit (tests/test_kernels.py).
+torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
+                               double scale, int64_t isa) {
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, "causal_attention takes q [T, H, D], k/v [Hkv, S, D]");
+  const bool half = k.scalar_type() == torch::kHalf;
+  TORCH_CHECK((k.scalar_type() == torch::kFloat32 || half) && v.scalar_type() == k.scalar_type(),
+              "float32 or float16 keys and values (both alike)");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "keys and values need a contiguous last dimension");
+  const int64_t t = q_in.size(0), h = q_in.size(1), d = q_in.size(2), hkv = k.size(0);
+  TORCH_CHECK(h % hkv == 0 && k.size(2) == d && v.size(2) == d && v.size(0) == hkv, "head shapes do not match");
+  TORCH_CHECK(start + t <= k.size(1), "queries past the cache: ", start + t, " > ", k.size(1));
+  const int64_t best = attention_isa();
+  if (isa < 0) isa = best;
+  TORCH_CHECK(isa <= best, "this CPU lacks attention path ", isa, " (best: ", best, ")");
+  torch::Tensor q = q_in.to(torch::kFloat32).contiguous();
+  auto out = torch::empty({t, h * d}, torch::kFloat32);
+  if (half) attend<at::Half>(q, k, v, start, scale, isa, out);
+  else attend<float>(q, k, v, start, scale, isa, out);
   return out;
+}
+
+// a rotated key or value row into the cache (float16: rounded to nearest even, as Tensor.copy_ rounds)
+inline void store_row(float* dst, const float* src, int64_t d) { std::memcpy(dst, src, sizeof(float) * d); }
+inline void store_row(at::Half* dst, const float* src, int64_t d) {
+  for (int64_t e = 0; e < d; e++) dst[e] = at::Half(src[e]);
+}
+
+// rope_attention's rotation and cache writes for positions i0 .. i1 (see below)
+template <typename KV>
+void rotate_rows(const float* xp, const float* cp, const float* sp, float* qp, KV* kp, KV* vp, int64_t i0, int64_t i1,
+                 int64_t start, int64_t h, int64_t hkv, int64_t d, int64_t ks0, int64_t ks1, int64_t vs0,
+                 int64_t vs1) {
+  const int64_t half = d / 2, row = (h + 2 * hkv) * d;
+  std::vector<float> tmp(d);
+  for (int64_t i = i0; i < i1; i++) {
+    const float *c = cp + i * d, *sg = sp + i * d;
+    for (int64_t j = 0; j < h + hkv; j++) {
+      const float* x = xp + i * row + j * d;
+      float* out = j < h ? qp + (i * h + j) * d : tmp.data();
+      for (int64_t e = 0; e < half; e++) out[e] = x[e] * c[e] + x[e + half] * sg[e];  // two halves: vectorizable
+      for (int64_t e = half; e < d; e++) out[e] = x[e] * c[e] + x[e - half] * sg[e];
+      if (j >= h) store_row(kp + (j - h) * ks0 + (start + i) * ks1, out, d);
+    }
+    for (int64_t g = 0; g < hkv; g++) store_row(vp + g * vs0 + (start + i) * vs1, xp + i * row + (h + hkv + g) * d, d);
+  }
 }
 
 // A decode step's attention block from the fused q/k/v projection, in one call: rotate q and k (full
 // rotary: out = x * cos + roll(x, D/2) * signed_sin, the same three rounded operations as flat.rotate),
 // write k and v into the cache at positions start .., attend. qkv [T, (H + 2 Hkv) * D]; cos and
-// signed_sin [T, D] (any shape with T * D contiguous elements); k, v the cache [Hkv, S, D].
+// signed_sin [T, D] (any shape with T * D contiguous elements); k, v the cache [Hkv, S, D], float32 or
+// float16.
 torch::Tensor rope_attention(const torch::Tensor& qkv_in, const torch::Tensor& cos_in, const torch::Tensor& ssin_in,
                              const torch::Tensor& k, const torch::Tensor& v, int64_t start, int64_t h, int64_t hkv,
                              double scale) {
@@ -446,26 +500,23 @@ torch::Tensor rope_attention(const torch::Tensor& qkv_in, const torch::Tensor& c
   TORCH_CHECK(qkv_in.size(1) == (h + 2 * hkv) * d && d % 2 == 0, "qkv is not [T, (H + 2 Hkv) * D]");
   TORCH_CHECK(cos_in.numel() == t * d && ssin_in.numel() == t * d, "rotary tables are not [T, D]");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.size(0) == hkv && start + t <= k.size(1), "bad cache");
+  const bool half = k.scalar_type() == torch::kHalf;
+  TORCH_CHECK((k.scalar_type() == torch::kFloat32 || half) && v.scalar_type() == k.scalar_type(),
+              "a float32 or float16 cache (keys and values alike)");
   torch::Tensor qkv = qkv_in.contiguous(), cs = cos_in.contiguous().to(torch::kFloat32),
                 sn = ssin_in.contiguous().to(torch::kFloat32);
   auto q = torch::empty({t, h, d}, torch::kFloat32);
   const float *xp = qkv.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const int64_t half = d / 2, row = (h + 2 * hkv) * d;
+  float* qp = q.data_ptr<float>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   // positions are independent (each writes its own q row and cache slots): from 4 the threads share them
   at::parallel_for(0, t, t >= 4 ? 1 : t, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; i++) {
-      const float *c = cp + i * d, *sg = sp + i * d;
-      for (int64_t j = 0; j < h + hkv; j++) {
-        const float* x = xp + i * row + j * d;
-        float* out = j < h ? qp + (i * h + j) * d : kp + (j - h) * ks0 + (start + i) * ks1;
-        for (int64_t e = 0; e < half; e++) out[e] = x[e] * c[e] + x[e + half] * sg[e];  // two halves: vectorizable
-        for (int64_t e = half; e < d; e++) out[e] = x[e] * c[e] + x[e - half] * sg[e];
-      }
-      for (int64_t g = 0; g < hkv; g++)
-        std::memcpy(vp + g * vs0 + (start + i) * vs1, xp + i * row + (h + hkv + g) * d, sizeof(float) * d);
-    }
+    if (half)
+      rotate_rows(xp, cp, sp, qp, k.data_ptr<at::Half>(), v.data_ptr<at::Half>(), i0, i1, start, h, hkv, d, ks0, ks1,
+                  vs0, vs1);
+    else
+      rotate_rows(xp, cp, sp, qp, k.data_ptr<float>(), v.data_ptr<float>(), i0, i1, start, h, hkv, d, ks0, ks1, vs0,
+                  vs1);
   });
   return causal_attention(q, k, v, start, scale, -1);
 }

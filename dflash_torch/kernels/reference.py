@@ -52,6 +52,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
 
     t, h, d = q.shape
     hkv = k.shape[0]
+    k, v = k[:, : start + t].float(), v[:, : start + t].float()  # a float16 cache widens exactly
     outs = [F.scaled_dot_product_attention(q[i].float()[None, :, None], k[None, :, : start + i + 1],
                                            v[None, :, : start + i + 1], scale=scale, enable_gqa=hkv != h)
             for i in range(t)]  # T x [1, H, 1, D]

@@ -120,6 +120,8 @@ class Attention(nn.Module):
         if self.exact_kernel and b == 1:
             o = torch.ops.dflash.causal_attention(q[0].transpose(0, 1), k[0], v[0], start, self.scale, -1)
             return self.o_proj(o[None])  # [1, T, H * D]
+        if k.dtype != q.dtype:  # a float16 cache (block formats) read by PyTorch's attention: widened (exact)
+            k, v = k.to(q.dtype), v.to(q.dtype)
         if self.exact_verify and 1 < t and (self.exact_max_t is None or t <= self.exact_max_t) and self.no_window:
             return self.o_proj(attend_each_query(q, k, v, start, self.scale))
         return self.o_proj(attend(q, k, v, mask, self.scale))
@@ -171,6 +173,9 @@ class Model(nn.Module):
         # every linear layer in block formats (q4_0 / q4_1 / q8_0): the decoder layers in one C++ call
         # (kernels/layers.cpp; same bits; False: FlatLayers)
         self.native = True
+        # the KV cache's dtype (None: the weights'); quantize.quantize_blocks sets float16 where every
+        # attention layer reads the cache through kernels/attention.cpp
+        self.cache_dtype: torch.dtype | None = None
         self._plan = None
         self.post_load()
 
@@ -194,7 +199,7 @@ class Model(nn.Module):
         c, w = self.config, self.model.embed_tokens.weight  # (the LM head may be quantized)
         return KVCache(
             c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len,
-            batch=batch, dtype=w.dtype, device=w.device,
+            batch=batch, dtype=self.cache_dtype or w.dtype, device=w.device,
         )
 
     def forward(
