@@ -9,7 +9,7 @@ import torch
 
 from dflash_torch import loading
 from dflash_torch.decoding.adaptive import AdaptiveBlockSize, calibrate
-from dflash_torch.decoding.drafter import FlatDraft, load_drafter
+from dflash_torch.decoding.drafter import FlatDraft, NativeDraft, load_drafter
 from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import Pipeline
 from dflash_torch.models import layers
@@ -570,8 +570,11 @@ def test_flat_draft_pass_equals_module_path(pair, quant, tmp_path, monkeypatch):
         c = target.new_cache(64)
         feats = target(torch.tensor([prompt]), c, taps=drafter.target_layer_ids).hidden  # [1, 23, F]
         runs = []
-        for fast, scripted in ((False, False), (True, False), (True, True)):
-            drafter.flat, drafter.script = fast, scripted
+        combos = [(False, False, False), (True, False, False), (True, True, False)]
+        if quant in ("q4_0", "q8_0"):
+            combos.append((True, True, True))  # NativeDraft: the layers in one C++ call
+        for fast, scripted, native in combos:
+            drafter.flat, drafter.script, drafter.native = fast, scripted, native
             dc = drafter.new_cache(64)
             out, used = [], 0
             for n_ctx, width in ((17, 8), (1, 2), (3, 5), (2, 8)):  # new context tokens, block width
@@ -579,8 +582,10 @@ def test_flat_draft_pass_equals_module_path(pair, quant, tmp_path, monkeypatch):
                 out.append(drafter.propose(target, block, feats[:, used : used + n_ctx], dc))
                 used += n_ctx
             runs.append((out, dc))
-        assert isinstance(drafter._plan[True], torch.jit.ScriptModule)  # the scripted draft pass ran
-        assert isinstance(drafter._plan[False], FlatDraft)  # and the flat one in Python
+        assert isinstance(drafter._plan[True, False], torch.jit.ScriptModule)  # the scripted draft pass ran
+        assert isinstance(drafter._plan[False, False], FlatDraft)  # and the flat one in Python
+        if quant in ("q4_0", "q8_0"):
+            assert isinstance(drafter._plan[True, True], NativeDraft)
         (want, c1), *others = runs
         for got, c2 in others:
             assert all(torch.equal(a, b) for a, b in zip(want, got))

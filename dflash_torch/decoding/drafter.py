@@ -232,6 +232,40 @@ class FlatDraft(nn.Module):
         return flat.norm(x, self.final_norm, eps, kn)
 
 
+class NativeDraft:
+    """FlatDraft's pass for block-format layers (fused gate/up, norms on kernels/norm.cpp, full rotary,
+    float32) with its layers in one call of kernels/layers.cpp (`draft_stack`): the same operators in the
+    same order (same bits, tests/test_fast.py), without TorchScript's per-operator interpretation."""
+
+    def __init__(self, d: FlatDraft) -> None:
+        self.d = d
+        n = d.per_layer
+        self.norms = [w for i in range(len(d.lins) // n) for w in (d.norms[2 * i], d.norms[2 * i + 1],
+                                                                   d.qk_norms[2 * i], d.qk_norms[2 * i + 1])]
+        self.packed = [spec[1] for spec in d.lins]
+        self.codes = [spec[4] for spec in d.lins]  # 8 * out_features + format
+        self.biases = [spec[3] for spec in d.lins]
+
+    @staticmethod
+    def applies(d: FlatDraft) -> bool:
+        from .. import kernels
+
+        return (d.kernel and d.fused_mlp and d.per_layer == 6 and all(spec[0] == flat.BLOCK for spec in d.lins)
+                and d.fc[0] == flat.BLOCK and kernels.ensure() == "compiled")
+
+    def __call__(self, x: torch.Tensor, ctx: torch.Tensor, q_cos: torch.Tensor, q_sin: torch.Tensor,
+                 c_cos: torch.Tensor, c_sin: torch.Tensor, start: int, keys: torch.Tensor,
+                 values: torch.Tensor) -> torch.Tensor:
+        d = self.d
+        if x.dtype != torch.float32 or q_cos.shape[-1] != d.dh:  # (partial rotary: FlatDraft's own path)
+            return d(x, ctx, q_cos, q_sin, c_cos, c_sin, start, keys, values)
+        c = flat.norm(flat.linear(ctx, d.fc), d.hidden_norm, d.eps, True)  # [Tc, H]
+        kv = linear(c, d.ctx_kv_weight, d.ctx_kv_bias, d.skinny)  # [Tc, 2 L Hkv D]
+        return torch.ops.dflash.draft_stack(x, kv, q_cos, flat.signed(q_sin), c_cos, flat.signed(c_sin), start,
+                                            keys, values, self.norms, self.packed, self.codes, self.biases,
+                                            d.final_norm, d.eps, d.h, d.hkv, d.dh, d.scale, d.act)
+
+
 # For TorchScript (this file's annotations are strings; lists and Optionals need their types).
 FlatDraft.__annotations__ = {"lins": list[flat.LinearSpec], "norms": list[torch.Tensor],
                              "qk_norms": list[torch.Tensor], "ctx_kv_bias": torch.Tensor | None}
@@ -275,6 +309,8 @@ class DFlashDrafter(nn.Module):
             self.set_window(int(dflash_value(c, "draft_window")), int(dflash_value(c, "draft_sinks", 64)))
         self.flat = True  # draft passes through FlatDraft where it applies (same bits; False: the modules)
         self.script = True  # FlatDraft compiled by TorchScript on a CPU (same bits; False: in Python)
+        # block-format layers: the draft pass's layers in one C++ call (NativeDraft; same bits; False: FlatDraft)
+        self.native = True
         self._plan = None
 
     @property
@@ -469,7 +505,8 @@ class DFlashDrafter(nn.Module):
         # causal or windowed layers, no stacked context k/v, or a layer type it does not know.
         if self._plan is None:
             self._plan = {}
-        if self.script not in self._plan:
+        key = (self.script, self.native)
+        if key not in self._plan:
             plan = None
             attns = [layer.self_attn for layer in self.layers]
             if self.ctx_kv_weight is not None and not any(a.causal or a.window is not None for a in attns):
@@ -477,10 +514,13 @@ class DFlashDrafter(nn.Module):
                     plan = FlatDraft(self)
                 except TypeError:
                     plan = None
-            if plan is not None and self.script and self.norm.weight.device.type == "cpu":
+            cpu = self.norm.weight.device.type == "cpu"
+            if plan is not None and self.native and cpu and NativeDraft.applies(plan):
+                plan = NativeDraft(plan)
+            elif plan is not None and self.script and cpu:
                 plan = flat.script(plan)
-            self._plan[self.script] = plan
-        return self._plan[self.script]
+            self._plan[key] = plan
+        return self._plan[key]
 
     @staticmethod
     def map_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -119,6 +119,62 @@ std::tuple<Tensor, std::vector<Tensor>> decoder_stack(
   return {x, tapped};
 }
 
+// flat.rotate for full rotary: x * cos + roll(x, D/2) * signed_sin (x [T, N, D], cos/sin [T, 1, D])
+Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& signed_sin) {
+  return x * cos + at::roll(x, {x.size(-1) / 2}, {-1}) * signed_sin;
+}
+
+// drafter.FlatDraft's pass after the context features (block-format layers, fused gate/up, norms on
+// norm.cpp, full rotary, float32), the same operators in the same order: x [T, H] the embedded block; kv
+// [Tc, 2 L Hkv D] the context's keys and values of every layer (the stacked projection); cos/signed_sin
+// [T or Tc, 1, D]; keys/values the drafter's cache [L, 1, Hkv, S, D], the context written at start.., the
+// block after it as scratch. Per layer 4 norms (input, post-attention, q, k) and 6 linear layers (q, k, v,
+// o, gate_up, down). Returns the block's hidden states after the final norm.
+Tensor draft_stack(const Tensor& x_in, const Tensor& kv_in, const Tensor& q_cos, const Tensor& q_signed,
+                   const Tensor& c_cos, const Tensor& c_signed, int64_t start, Tensor& keys, Tensor& values,
+                   at::TensorList norms, at::TensorList packed, at::IntArrayRef codes,
+                   const c10::List<std::optional<Tensor>>& biases, const Tensor& final_norm, double eps, int64_t h,
+                   int64_t hkv, int64_t dh, double scale, int64_t act) {
+  const int64_t layers = keys.size(0), t = x_in.size(0), tc = kv_in.size(0), end = start + tc + t;
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "draft_stack takes float32 x [T, H]");
+  TORCH_CHECK((int64_t)norms.size() == 4 * layers && (int64_t)packed.size() == 6 * layers &&
+                  (int64_t)codes.size() == 6 * layers && (int64_t)biases.size() == 6 * layers,
+              "draft_stack: per layer 4 norms and 6 linear layers");
+  TORCH_CHECK(kv_in.size(1) == 2 * layers * hkv * dh, "the context keys/values are not [Tc, 2 L Hkv D]");
+  TORCH_CHECK(end <= keys.size(3), "KV cache overflow: position ", end, " > capacity ", keys.size(3));
+  TORCH_CHECK(act >= 0 && act <= 2, "unknown activation code ", act);
+  const Ops& o = ops();
+  std::vector<Tensor> kv = kv_in.chunk(2 * layers, -1);  // k, v per layer
+  const bool gqa = hkv != h;
+  Tensor x = x_in;
+  for (int64_t i = 0; i < layers; i++) {
+    const int64_t n = 6 * i;
+    const Tensor& k_norm = norms[4 * i + 3];
+    Tensor y = o.norm.call(x, norms[4 * i], eps, -1);
+    Tensor q = rotate(o.norm.call(linear(o, y, packed[n], codes[n], biases.get(n)).view({t, h, dh}), norms[4 * i + 2],
+                                  eps, -1),
+                      q_cos, q_signed);  // [T, H, D]
+    Tensor k_blk = rotate(o.norm.call(linear(o, y, packed[n + 1], codes[n + 1], biases.get(n + 1)).view({t, hkv, dh}),
+                                      k_norm, eps, -1),
+                          q_cos, q_signed);
+    Tensor k_ctx = rotate(o.norm.call(kv[2 * i].view({tc, hkv, dh}), k_norm, eps, -1), c_cos, c_signed);
+    Tensor layer_k = keys.select(0, i), layer_v = values.select(0, i);  // [1, Hkv, S, D]
+    layer_k.narrow(2, start, tc).copy_(k_ctx.transpose(0, 1));
+    layer_v.narrow(2, start, tc).copy_(kv[2 * i + 1].view({tc, hkv, dh}).transpose(0, 1));
+    layer_k.narrow(2, start + tc, t).copy_(k_blk.transpose(0, 1));
+    layer_v.narrow(2, start + tc, t)
+        .copy_(linear(o, y, packed[n + 2], codes[n + 2], biases.get(n + 2)).view({t, hkv, dh}).transpose(0, 1));
+    Tensor attn = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), layer_k.narrow(2, 0, end),
+                                                   layer_v.narrow(2, 0, end), {}, 0.0, false, scale, gqa);
+    x = add_linear(o, x, attn[0].transpose(0, 1).reshape({t, h * dh}), packed[n + 3], codes[n + 3],
+                   biases.get(n + 3));  // attn [1, H, T, D]
+    y = o.norm.call(x, norms[4 * i + 1], eps, -1);
+    std::vector<Tensor> gu = linear(o, y, packed[n + 4], codes[n + 4], biases.get(n + 4)).chunk(2, -1);
+    x = add_linear(o, x, act_mul(gu[0], gu[1], act), packed[n + 5], codes[n + 5], biases.get(n + 5));
+  }
+  return o.norm.call(x, final_norm, eps, -1);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
@@ -126,4 +182,8 @@ TORCH_LIBRARY_FRAGMENT(dflash, m) {
         "int[] taps, Tensor[] norms, Tensor[] packed, int[] codes, Tensor?[] biases, float eps, int h, int hkv, "
         "float scale, int act) -> (Tensor, Tensor[])");
   m.impl("decoder_stack", c10::DispatchKey::CPU, &decoder_stack);
+  m.def("draft_stack(Tensor x, Tensor kv, Tensor q_cos, Tensor q_signed, Tensor c_cos, Tensor c_signed, int start, "
+        "Tensor(a!) keys, Tensor(b!) values, Tensor[] norms, Tensor[] packed, int[] codes, Tensor?[] biases, "
+        "Tensor final_norm, float eps, int h, int hkv, int dh, float scale, int act) -> Tensor");
+  m.impl("draft_stack", c10::DispatchKey::CPU, &draft_stack);
 }
