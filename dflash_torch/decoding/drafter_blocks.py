@@ -75,10 +75,10 @@ def _from_blocks(path: Path, fmt: str, stored: dict, skip: set, device, dtype) -
 
 
 def _norms_in_one_pass(drafter: DFlashDrafter) -> None:
-    # A draft pass of a few rows runs a dozen norms; PyTorch's float32 rms_norm is a chain of operators
-    # (~20 us each for a few rows), kernels/norm.cpp one pass (~6 us). Every norm, the modules' and the
-    # flat plan's alike, so the two paths keep the same bits. Drafts only propose: the output is the
-    # target's either way.
+    # A draft pass of a few rows runs a dozen norms; PyTorch's float32 rms_norm is a chain of operators,
+    # kernels/norm.cpp one pass (tools/probes/draft_norm_probe.py times the difference). Every norm, the
+    # modules' and the flat plan's alike, so the two paths keep the same bits. Drafts only propose: the
+    # output is the target's either way.
     for m in drafter.modules():
         if isinstance(m, RMSNorm):
             m.kernel = True
