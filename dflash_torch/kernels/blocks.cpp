@@ -264,6 +264,79 @@ void tile_avx2(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t
   else tile_avx2_t<Q8_0>(w, nb, x, r0, r1, acc);
 }
 
+// A few rows of one column group with their sums in registers across all blocks (R <= 4: the sums, the
+// rows' int16 chains and one chunk's weights fill the 16 ymm registers). A tile above stores and reloads
+// each row's 8 sums per block and keeps a whole block's unpacked weights live; here the weights are
+// unpacked one chunk (32 bytes) at a time, so a few rows cost little more than one while the weights
+// stream from memory. The operations per row and block are DFLASH_FLOAT_STEP_AT's, in its order.
+template <int64_t fmt, int R>
+__attribute__((target("avx2,fma,f16c"))) void avx2_rows(const uint8_t* w, int64_t nb, const Rows& x, int64_t r0,
+                                                        float* out) {
+  const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* rec = w + b * gb;
+    prefetch_ahead(rec, gb);
+    const uint8_t* qs = rec + qoff;
+    __m256i isum[R];
+    if (fmt == Q8_0) {
+      for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; j++) {
+        const __m256i wj = _mm256_loadu_si256((const __m256i*)(qs + 32 * j)), aw = _mm256_abs_epi8(wj);
+        for (int r = 0; r < R; r++) {
+          const int32_t* x4 = (const int32_t*)(x.q + (r0 + r) * x.k + b * QK);
+          const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), wj);
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
+        }
+      }
+    } else {
+      __m256i s16[R];  // int16 sums of the pairs: at most 8 * 2 * 15 * 127 = 30480, no overflow
+      for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; r++) {
+          const int32_t* x4 = (const int32_t*)(x.q + (r0 + r) * x.k + b * QK);
+          const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[j])),
+                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[j + 4])));
+          s16[r] = j == 0 ? t : _mm256_add_epi16(s16[r], t);
+        }
+      }
+      for (int r = 0; r < R; r++) isum[r] = _mm256_madd_epi16(s16[r], ones);
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));
+    const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16))) : _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) {
+      const int64_t at = (r0 + r) * x.nb + b;
+      if (fmt == Q4_0) isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_set1_epi32(x.s[at]), 3));
+      const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(x.d[at]), dw);
+      acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(isum[r]), dd));
+      if (fmt == Q4_1) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mw, _mm256_set1_ps(x.ds[at])));
+    }
+  }
+  for (int r = 0; r < R; r++) _mm256_storeu_ps(out + GROUP * r, acc[r]);
+}
+
+template <int64_t fmt>
+void rows_avx2_t(const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
+  for (int64_t r = r0; r < r1; r += 4) {  // acc [r1 - r0, GROUP]
+    float* out = acc + (r - r0) * GROUP;
+    switch (std::min<int64_t>(4, r1 - r)) {
+      case 1: avx2_rows<fmt, 1>(w, nb, x, r, out); break;
+      case 2: avx2_rows<fmt, 2>(w, nb, x, r, out); break;
+      case 3: avx2_rows<fmt, 3>(w, nb, x, r, out); break;
+      default: avx2_rows<fmt, 4>(w, nb, x, r, out); break;
+    }
+  }
+}
+
+void rows_avx2(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
+  if (fmt == Q4_0) rows_avx2_t<Q4_0>(w, nb, x, r0, r1, acc);
+  else if (fmt == Q4_1) rows_avx2_t<Q4_1>(w, nb, x, r0, r1, acc);
+  else rows_avx2_t<Q8_0>(w, nb, x, r0, r1, acc);
+}
+
 #endif
 
 // ---- dispatch ----
@@ -280,6 +353,17 @@ int64_t amx_min_rows(int64_t fmt) {
     return v && *v ? std::max<int64_t>(1, std::atoll(v)) : 0;
   }();
   return forced ? forced : fmt == Q8_0 ? 4 : 8;
+}
+
+// Up to this many rows the AVX2 path keeps the sums in registers (rows_avx2, 4 rows per pass over the
+// weights); past it a tile unpacks each weight block once for all rows. DFLASH_AVX2_ROWS overrides it, for
+// measuring (the two give the same bits).
+int64_t avx2_tile_rows(int64_t fmt) {
+  static const int64_t forced = [] {
+    const char* v = std::getenv("DFLASH_AVX2_ROWS");
+    return v && *v ? std::atoll(v) : -1;
+  }();
+  return forced >= 0 ? forced : 16;
 }
 
 int64_t detect_isa() {
@@ -434,7 +518,9 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
           std::memset(acc, 0, sizeof(float) * (t1 - t0) * GROUP);
           const uint8_t* wg = wp + g * gstride;
 #ifdef DFLASH_X86
-          if (isa == AVX2)
+          if (isa == AVX2 && t1 - t0 <= avx2_tile_rows(fmt))
+            rows_avx2(fmt, wg, nb, rows, t0, t1, acc);
+          else if (isa == AVX2)
             tile_avx2(fmt, wg, nb, rows, t0, t1, acc);
           else
 #endif
