@@ -218,6 +218,23 @@ DFLASH_AVX2 inline void finish_avx2(int count, const float* acc, const float* z,
   }
 }
 
+// keys or values j0 .. j1 of a cache as float32 rows of 8 dv: a float cache as it is, a float16 one widened
+// (exactly) into dst once, so that every query of a tile reads floats instead of converting each element
+// again (the conversion cost as much as the multiply-adds on an AVX2-only CPU, AMD Zen 1)
+template <int dv>
+DFLASH_AVX2 inline const float* block_f32(const float* src, int64_t stride, int64_t j0, int64_t, float*, int64_t& out_stride) {
+  out_stride = stride;
+  return src + j0 * stride;
+}
+template <int dv>
+DFLASH_AVX2 inline const float* block_f32(const at::Half* src, int64_t stride, int64_t j0, int64_t j1, float* dst,
+                                          int64_t& out_stride) {
+  for (int64_t j = j0; j < j1; j++)
+    for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(dst + (j - j0) * 8 * dv + 8 * c, load8(src + j * stride + 8 * c));
+  out_stride = 8 * dv;
+  return dst;
+}
+
 // count queries q[u] (n[u] keys each) against one kv head; buf [count, stride] scratch, acc [count, 8 dv + 1]
 template <int dv, typename KV>
 DFLASH_AVX2 void tile_avx2(const float* const* q, const int64_t* n, int count, const KV* k, int64_t ks,
@@ -225,12 +242,15 @@ DFLASH_AVX2 void tile_avx2(const float* const* q, const int64_t* n, int count, c
                            float* const* out) {
   int64_t nmax = 0;
   for (int u = 0; u < count; u++) nmax = std::max(nmax, n[u]);
+  alignas(32) float wide[KB * 8 * dv];  // a float16 cache's block, widened (unused for a float cache)
+  int64_t bs;
   for (int64_t jb = 0; jb < nmax; jb += KB) {  // scores, a block of keys for every query
+    const float* kb = block_f32<dv>(k, ks, jb, std::min(jb + KB, nmax), wide, bs);
     for (int u = 0; u < count; u++) {
       if (jb >= n[u]) continue;
       __m256 qv[dv];
       for (int64_t c = 0; c < dv; c++) qv[c] = _mm256_loadu_ps(q[u] + 8 * c);
-      scores_avx2<dv>(qv, k, ks, jb, std::min(jb + KB, n[u]), scale, buf + u * stride);
+      scores_avx2<dv>(qv, kb, bs, 0, std::min(jb + KB, n[u]) - jb, scale, buf + u * stride + jb);
     }
   }
   float* z = acc + count * 8 * dv;  // acc has count more floats for the sums
@@ -239,8 +259,10 @@ DFLASH_AVX2 void tile_avx2(const float* const* q, const int64_t* n, int count, c
     for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(acc + u * 8 * dv + 8 * c, _mm256_setzero_ps());
   }
   for (int64_t jb = 0; jb < nmax; jb += KB) {  // output sums, a block of values for every query
+    const float* vb = block_f32<dv>(v, vs, jb, std::min(jb + KB, nmax), wide, bs);
     for (int u = 0; u < count; u++)
-      if (jb < n[u]) values_avx2<dv>(buf + u * stride, v, vs, jb, std::min(jb + KB, n[u]), acc + u * 8 * dv);
+      if (jb < n[u])
+        values_avx2<dv>(buf + u * stride + jb, vb, bs, 0, std::min(jb + KB, n[u]) - jb, acc + u * 8 * dv);
   }
   finish_avx2<dv>(count, acc, z, out);
 }
