@@ -3,9 +3,10 @@
 Loads the embedded default model as `dflash serve` runs it (`--quantize auto`: the file's Q4_1 blocks),
 fills one cache of each dtype with the same 2,048-token context, then times decode steps at several
 context lengths, the two caches in alternating rounds (so that the machine's drift falls on both alike):
-minima and medians per step (docs/performance.md, "The KV cache in float16").
+minima and medians per step (docs/performance.md, "The KV cache in float16"). --rows N times passes of N
+positions instead (a verify pass of N rows).
 
-    python tools/probes/kv_cache_probe.py [--contexts 64,512,1024,2048] [--rounds 10]
+    python tools/probes/kv_cache_probe.py [--contexts 64,512,1024,2048] [--rounds 10] [--rows 1]
 """
 
 from __future__ import annotations
@@ -25,18 +26,20 @@ def main() -> None:
     p.add_argument("--contexts", default="64,512,1024,2048")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", type=int, default=1, help="positions per pass (default 1: a decode step)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
     target = load(None, None, "cpu", "float32", quantize=args.quantize, quiet=True).target
     if getattr(target, "cache_dtype", None) is None:
         raise SystemExit(f"--quantize {args.quantize}: this target keeps no float16 cache")
-    ids = torch.randint(0, target.config.vocab_size, (1, max(contexts) + 1), generator=torch.Generator().manual_seed(0))
+    n = args.rows
+    ids = torch.randint(0, target.config.vocab_size, (1, max(contexts) + n), generator=torch.Generator().manual_seed(0))
     caches, kept = {}, target.cache_dtype
     with torch.inference_mode():
         for dtype in (torch.float32, kept):
             target.cache_dtype = None if dtype == torch.float32 else dtype
-            caches[dtype] = target.new_cache(max(contexts) + 2)
+            caches[dtype] = target.new_cache(max(contexts) + n + 1)
             target(ids[:, : max(contexts)], caches[dtype])
         target.cache_dtype = kept
         times: dict = {}
@@ -46,9 +49,10 @@ def main() -> None:
                     t0 = time.perf_counter()
                     for _ in range(5):
                         cache.crop(ctx)
-                        target(ids[:, ctx : ctx + 1], cache, logits="last")
+                        target(ids[:, ctx : ctx + n], cache, logits="all" if n > 1 else "last")
                     times.setdefault((ctx, dtype), []).append((time.perf_counter() - t0) / 5 * 1e3)
-    print(f"threads {args.threads}, torch {torch.__version__}, --quantize {args.quantize}; ms per decode step")
+    print(f"threads {args.threads}, torch {torch.__version__}, --quantize {args.quantize}; ms per pass of {n} "
+          f"position{'s' if n > 1 else ''}")
     print(f"{'context':>8} {'float32 min':>12} {'median':>7} {'float16 min':>12} {'median':>7} {'change':>7}")
     for ctx in contexts:
         a, b = times[(ctx, torch.float32)], times[(ctx, kept)]
