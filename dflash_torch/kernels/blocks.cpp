@@ -356,14 +356,16 @@ int64_t amx_min_rows(int64_t fmt) {
 }
 
 // Up to this many rows the AVX2 path keeps the sums in registers (rows_avx2, 4 rows per pass over the
-// weights); past it a tile unpacks each weight block once for all rows. DFLASH_AVX2_ROWS overrides it, for
-// measuring (the two give the same bits).
-int64_t avx2_tile_rows(int64_t fmt) {
+// weights); past it a tile unpacks each weight block once for all rows. On an AMD Zen 1 the register path
+// took 10-25% off 1-4 rows and less at 8; at 16 the two were level within the host's noise
+// (tools/kernel_ab.py, docs/performance.md "AVX2 only"). DFLASH_AVX2_ROWS overrides it, for measuring
+// (the two give the same bits).
+int64_t avx2_tile_rows() {
   static const int64_t forced = [] {
     const char* v = std::getenv("DFLASH_AVX2_ROWS");
     return v && *v ? std::atoll(v) : -1;
   }();
-  return forced >= 0 ? forced : 16;
+  return forced >= 0 ? forced : 8;
 }
 
 int64_t detect_isa() {
@@ -518,7 +520,7 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
           std::memset(acc, 0, sizeof(float) * (t1 - t0) * GROUP);
           const uint8_t* wg = wp + g * gstride;
 #ifdef DFLASH_X86
-          if (isa == AVX2 && t1 - t0 <= avx2_tile_rows(fmt))
+          if (isa == AVX2 && t1 - t0 <= avx2_tile_rows())
             rows_avx2(fmt, wg, nb, rows, t0, t1, acc);
           else if (isa == AVX2)
             tile_avx2(fmt, wg, nb, rows, t0, t1, acc);
