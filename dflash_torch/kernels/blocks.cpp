@@ -19,8 +19,8 @@
 // group and block, the 8 fp16 scales (Q4_1: then the 8 fp16 minimums), then the 8 columns' quant bytes
 // exactly as GGUF stores them (Q4: 16 bytes, value j in the low nibble of byte j and j + 16 in its
 // high nibble; Q8: 32 signed bytes), reordered in chunks of 4 bytes so that one 32-byte load holds 4
-// values of each of the 8 columns. Each weight block is unpacked once per call for up to TILE_ROWS rows;
-// threads split the column groups. The 512-bit VNNI path and the AMX path (blocks_avx512.cpp) take two
+// values of each of the 8 columns. Each weight block is unpacked once per call for up to TILE_ROWS rows
+// (AVX2 with 8 rows or fewer: once per 4 rows, their sums in registers); threads split the column groups. The 512-bit VNNI path and the AMX path (blocks_avx512.cpp) take two
 // groups (16 columns) per vector or tile.
 
 #include "blocks.h"
