@@ -357,8 +357,8 @@ int64_t amx_min_rows(int64_t fmt) {
 
 // Up to this many rows the AVX2 path keeps the sums in registers (rows_avx2, 4 rows per pass over the
 // weights); past it a tile unpacks each weight block once for all rows. On an AMD Zen 1 the register path
-// took 10-25% off 1-4 rows and less at 8; at 16 the two were level within the host's noise
-// (tools/kernel_ab.py, docs/performance.md "AVX2 only"). DFLASH_AVX2_ROWS overrides it, for measuring
+// took 7-26% off 2-4 rows (1-26% off one, Q8_0 the least) and 3-13% off most 8-row cells; at 16 the two
+// were level within the host's noise (tools/kernel_ab.py, docs/performance.md "AVX2 only"). DFLASH_AVX2_ROWS overrides it, for measuring
 // (the two give the same bits).
 int64_t avx2_tile_rows() {
   static const int64_t forced = [] {
