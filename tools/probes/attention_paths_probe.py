@@ -34,8 +34,8 @@ def main() -> None:
             v = torch.randn(hkv, start + 32, d, generator=gen).to(dtype)
             for t in (1, 4, 16):
                 q = torch.randn(t, h, d, generator=gen)
-                calls = {isa: (lambda isa=isa: torch.ops.dflash.causal_attention(q, k, v, start, d**-0.5, isa))
-                         for isa in (1, 2)}
+                calls = {isa: (lambda isa=isa, q=q, k=k, v=v, start=start: torch.ops.dflash.causal_attention(
+                    q, k, v, start, d**-0.5, isa)) for isa in (1, 2)}
                 assert torch.equal(calls[1](), calls[2]())  # the paths' bits agree (tests/test_kernels.py)
                 times: dict[int, list[float]] = {1: [], 2: []}
                 for _ in range(args.rounds):
