@@ -495,11 +495,12 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   using Tile = void (*)(const float* const*, const int64_t*, int, const KV*, int64_t, const KV*, int64_t, float,
                         float*, int64_t, float*, float* const*);
   Tile tile = nullptr;
+  // a tile: up to 32 query heads of one kv head's group (hc of them) at pos consecutive positions
+  const int64_t group = h / hkv, hc = std::min<int64_t>(group, 32), pos = std::max<int64_t>(1, 32 / hc);
 #ifdef DFLASH_X86
   // a tile of fewer than 4 queries (a decode step's GQA group) does not repay the AVX-512 path's transposed
   // keys: the AVX2 tile, the same bits (tools/probes/attention_paths_probe.py)
-  const int64_t heads = std::min<int64_t>(h / hkv, 32);  // a tile's query heads, as below
-  if (isa == 2 && heads * std::min<int64_t>(t, std::max<int64_t>(1, 32 / heads)) < 4) isa = 1;
+  if (isa == 2 && hc * std::min(pos, t) < 4) isa = 1;
   if (isa == 2)
     tile = d == 64 ? tile_avx512<8, KV> : d == 128 ? tile_avx512<16, KV> : d == 32 ? tile_avx512<4, KV>
          : d == 16 ? tile_avx512<2, KV> : d == 256 ? tile_avx512<32, KV> : d == 96 ? tile_avx512<12, KV> : nullptr;
@@ -511,12 +512,10 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   const KV* kp = k.data_ptr<KV>();
   const KV* vp = v.data_ptr<KV>();
   float* op = out.data_ptr<float>();
-  const int64_t ks = k.stride(1), vs = v.stride(1), khs = k.stride(0), vhs = v.stride(0), group = h / hkv;
+  const int64_t ks = k.stride(1), vs = v.stride(1), khs = k.stride(0), vhs = v.stride(0);
 #ifdef DFLASH_X86
   if (tile) {
-    // a tile: up to 32 query heads of one kv head's group (hc of them) at P consecutive positions
-    const int64_t hc = std::min<int64_t>(group, 32), chunks = (group + hc - 1) / hc;
-    const int64_t pos = std::max<int64_t>(1, 32 / hc), nt = (t + pos - 1) / pos, per = hkv * chunks;
+    const int64_t chunks = (group + hc - 1) / hc, nt = (t + pos - 1) / pos, per = hkv * chunks;
     // about 64k multiply-adds per task before a second thread pays for waking
     const int64_t work = hc * std::min(pos, t) * (start + t) * d * 2;
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(work, 1));
