@@ -345,6 +345,36 @@ def test_rope_attention_equals_its_operators(dtype):
     assert (ref - got).abs().max() <= 4 * (start + t + d) * 2.0**-24 * v0.float().abs().max()
 
 
+def test_rope_attention_rounds_into_a_float16_cache_as_copy_does():
+    """The float16 cache writes (8 at a time by the CPU's converter where it has one, a scalar tail) round
+    every float as Tensor.copy_ does: ties to even, float16 subnormals, overflow to infinity, signed zeros,
+    head sizes with a tail that is not a multiple of 8."""
+    from dflash_torch.models import flat
+
+    gen = torch.Generator().manual_seed(13)
+    tiny = 2.0**-24  # the smallest float16 subnormal
+    special = torch.tensor([1 + 2.0**-11, 1 + 3 * 2.0**-11, -(1 + 2.0**-11), tiny / 2, 3 * tiny / 2, tiny / 3,
+                            2.0**-15 + tiny / 2, 65504.0, 65519.0, 65520.0, -65520.0, 1e30, float("inf"), -0.0,
+                            0.0, 2.0**-14 - tiny / 2])  # ties, subnormals, the largest half, overflow
+    for d in (12, 16, 22):
+        t, h, hkv, start = 3, 2, 2, 4
+        qkv = torch.randn(t, (h + 2 * hkv) * d, generator=gen)
+        values = qkv[:, (h + hkv) * d :]
+        picks = torch.randint(0, len(special), values.shape, generator=gen)
+        values.copy_(torch.where(torch.rand(values.shape, generator=gen) < 0.7, special[picks], values))
+        angles = torch.randn(t, 1, d, generator=gen)
+        cos, sin = angles.cos(), angles.sin()
+        k, v = (torch.zeros(hkv, 10, d, dtype=torch.float16) for _ in range(2))
+        torch.ops.dflash.rope_attention(qkv, cos, flat.signed(sin), k, v, start, h, hkv, 0.25)
+        want_v = torch.zeros_like(v)
+        want_v[:, start : start + t] = values.view(t, hkv, d).transpose(0, 1)
+        assert torch.equal(v.view(torch.int16), want_v.view(torch.int16)), d  # bit for bit: -0.0 and inf too
+        qk = flat.rotate(qkv[:, : (h + hkv) * d].view(t, h + hkv, d), cos, sin, flat.signed(sin))
+        want_k = torch.zeros_like(k)
+        want_k[:, start : start + t] = qk[:, h:].transpose(0, 1)
+        assert torch.equal(k.view(torch.int16), want_k.view(torch.int16)), d
+
+
 def test_argmax_rows_is_torch_argmax():
     """argmax.cpp's paths (scalar, AVX2) give torch.argmax(x, -1)'s index on every row: ties to the first
     index, a NaN's index where a row has one, all -inf rows, signed zeros, widths that are not a multiple

@@ -583,8 +583,23 @@ torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k
 }
 
 // a rotated key or value row into the cache (float16: rounded to nearest even, as Tensor.copy_ rounds)
-inline void store_row(float* dst, const float* src, int64_t d) { std::memcpy(dst, src, sizeof(float) * d); }
-inline void store_row(at::Half* dst, const float* src, int64_t d) {
+// f16c: the CPU converts 8 at a time (vcvtps2ph, round to nearest even: the same halves as at::Half for every
+// number, NaN payloads aside); the scalar loop is the reference and the path without F16C
+#ifdef DFLASH_X86
+DFLASH_AVX2 void store_half_f16c(at::Half* dst, const float* src, int64_t d) {
+  int64_t e = 0;
+  for (; e + 8 <= d; e += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + e),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; e < d; e++) dst[e] = at::Half(src[e]);
+}
+#endif
+inline void store_row(float* dst, const float* src, int64_t d, bool) { std::memcpy(dst, src, sizeof(float) * d); }
+inline void store_row(at::Half* dst, const float* src, int64_t d, bool f16c) {
+#ifdef DFLASH_X86
+  if (f16c) return store_half_f16c(dst, src, d);
+#endif
+  (void)f16c;
   for (int64_t e = 0; e < d; e++) dst[e] = at::Half(src[e]);
 }
 
@@ -592,7 +607,7 @@ inline void store_row(at::Half* dst, const float* src, int64_t d) {
 template <typename KV>
 void rotate_rows(const float* xp, const float* cp, const float* sp, float* qp, KV* kp, KV* vp, int64_t i0, int64_t i1,
                  int64_t start, int64_t h, int64_t hkv, int64_t d, int64_t ks0, int64_t ks1, int64_t vs0,
-                 int64_t vs1) {
+                 int64_t vs1, bool f16c) {
   const int64_t half = d / 2, row = (h + 2 * hkv) * d;
   std::vector<float> tmp(d);
   for (int64_t i = i0; i < i1; i++) {
@@ -602,9 +617,10 @@ void rotate_rows(const float* xp, const float* cp, const float* sp, float* qp, K
       float* out = j < h ? qp + (i * h + j) * d : tmp.data();
       for (int64_t e = 0; e < half; e++) out[e] = x[e] * c[e] + x[e + half] * sg[e];  // two halves: vectorizable
       for (int64_t e = half; e < d; e++) out[e] = x[e] * c[e] + x[e - half] * sg[e];
-      if (j >= h) store_row(kp + (j - h) * ks0 + (start + i) * ks1, out, d);
+      if (j >= h) store_row(kp + (j - h) * ks0 + (start + i) * ks1, out, d, f16c);
     }
-    for (int64_t g = 0; g < hkv; g++) store_row(vp + g * vs0 + (start + i) * vs1, xp + i * row + (h + hkv + g) * d, d);
+    for (int64_t g = 0; g < hkv; g++)
+      store_row(vp + g * vs0 + (start + i) * vs1, xp + i * row + (h + hkv + g) * d, d, f16c);
   }
 }
 
@@ -630,14 +646,15 @@ torch::Tensor rope_attention(const torch::Tensor& qkv_in, const torch::Tensor& c
   const float *xp = qkv.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
   float* qp = q.data_ptr<float>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  const bool f16c = attention_isa() >= 1;  // AVX2 implies F16C here (attention_isa checks both)
   // positions are independent (each writes its own q row and cache slots): from 4 the threads share them
   at::parallel_for(0, t, t >= 4 ? 1 : t, [&](int64_t i0, int64_t i1) {
     if (half)
       rotate_rows(xp, cp, sp, qp, k.data_ptr<at::Half>(), v.data_ptr<at::Half>(), i0, i1, start, h, hkv, d, ks0, ks1,
-                  vs0, vs1);
+                  vs0, vs1, f16c);
     else
       rotate_rows(xp, cp, sp, qp, k.data_ptr<float>(), v.data_ptr<float>(), i0, i1, start, h, hkv, d, ks0, ks1, vs0,
-                  vs1);
+                  vs1, f16c);
   });
   return causal_attention(q, k, v, start, scale, -1);
 }
