@@ -5,7 +5,7 @@ kernels (q4_0, q4_1) beside PyTorch's int4 kernel, and llama.cpp's own batch sca
     python tools/kernel_table.py [--threads 2] [--rows 1,2,4,8,16] [--isa vnni,amx] [--json FILE]
 
 --isa: the block kernels' instruction sets to time, side by side (default: the one each call picks on
-this CPU: on an AMX CPU, VNNI below 8 rows (Q8_0: 4) and AMX from there on; see kernels/blocks.cpp).
+this CPU: on an AMX CPU, VNNI below 8 rows and AMX from there on; see kernels/blocks.cpp).
 
 Times are the best of several rounds (microseconds per call; llama.cpp: milliseconds per pass), each
 call on another copy of the weights so that they come from memory as in a decode step, not from cache.

@@ -342,17 +342,17 @@ void rows_avx2(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t
 // ---- dispatch ----
 
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, VNNI = 2, AMX = 3 };
-// Below this many rows the 512-bit VNNI path is faster: up to 7 rows its sums stay in registers, while a
-// tile's fixed costs (the unpacking to bytes, the sums stored and reloaded) outweigh a few rows' work. Q8_0
-// needs no unpacking for a tile, and twice the weight bytes per vector: AMX wins from 4 rows there
-// (tools/kernel_ab.py, tools/kernel_table.py --isa vnni,amx). DFLASH_AMX_MIN_ROWS overrides both, for
+// Below this many rows the 512-bit VNNI path is faster: up to 8 rows its sums stay in registers, while a
+// tile's fixed costs (the unpacking to bytes, the sums stored and reloaded) outweigh a few rows' work. With
+// the 512-bit path this holds for Q8_0 too (`python tools/kernel_ab.py HEAD --isa 2 --new-isa 3`: AMX 2-47%
+// slower at 2-7 rows in every Q8_0 cell, level at 8, faster from 9). DFLASH_AMX_MIN_ROWS overrides it, for
 // measuring (the paths give the same bits, so only speed changes).
-int64_t amx_min_rows(int64_t fmt) {
+int64_t amx_min_rows() {
   static const int64_t forced = [] {
     const char* v = std::getenv("DFLASH_AMX_MIN_ROWS");
     return v && *v ? std::max<int64_t>(1, std::atoll(v)) : 0;
   }();
-  return forced ? forced : fmt == Q8_0 ? 4 : 8;
+  return forced ? forced : 8;
 }
 
 // Up to this many rows the AVX2 path keeps the sums in registers (rows_avx2, 4 rows per pass over the
@@ -436,7 +436,7 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
   const bool asked = isa >= 0;
   isa = resolve(isa);
   // AMX where asked for, or where it is the best path and the rows fill enough of a tile; else VNNI
-  const bool amx = isa == AMX && (asked || m >= amx_min_rows(fmt));
+  const bool amx = isa == AMX && (asked || m >= amx_min_rows());
   if (isa == AMX && !amx) isa = VNNI;
   torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   // the activations' quants and scales: scratch reused across calls (no allocation per call)
