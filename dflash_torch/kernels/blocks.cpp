@@ -345,7 +345,7 @@ enum Isa : int64_t { SCALAR = 0, AVX2 = 1, VNNI = 2, AMX = 3 };
 // Below this many rows the 512-bit VNNI path is faster: up to 8 rows its sums stay in registers, while a
 // tile's fixed costs (the unpacking to bytes, the sums stored and reloaded) outweigh a few rows' work. With
 // the 512-bit path this holds for Q8_0 too (`python tools/kernel_ab.py HEAD --isa 2 --new-isa 3`: AMX 2-47%
-// slower at 2-7 rows in every Q8_0 cell, level at 8, faster from 9). DFLASH_AMX_MIN_ROWS overrides it, for
+// slower at 2-7 rows in 28 of 30 Q8_0 cells, level at 8, faster from 9). DFLASH_AMX_MIN_ROWS overrides it, for
 // measuring (the paths give the same bits, so only speed changes).
 int64_t amx_min_rows() {
   static const int64_t forced = [] {
