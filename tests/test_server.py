@@ -117,7 +117,9 @@ def serve(pipe: Pipeline | None = None, loader=None, **config) -> Iterator[str]:
     import uvicorn
 
     app = create_app(ServerConfig(**config), loader=loader or (lambda: pipe))
-    sock = socket.socket()
+    # proto IPPROTO_TCP, as uvicorn's own sockets have it: asyncio sets TCP_NODELAY only on such sockets, and
+    # without it every response waited ~40 ms for the client's delayed ACK (Nagle), counted in each TTFT
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
