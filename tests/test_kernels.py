@@ -223,7 +223,7 @@ def test_auto_picks_the_files_own_blocks():
 # (T, H, Hkv, D, start); the AVX2 path's tiles (up to 32 query heads of a kv head x positions) then cover:
 # one query, several tiles of positions (70 rows: 7 tiles of 10 x 3 heads), a group of more than 32 heads
 ATTENTION_SHAPES = [(1, 9, 3, 64, 100), (16, 9, 3, 64, 37), (5, 4, 4, 16, 0), (3, 8, 2, 128, 1000), (7, 4, 2, 24, 5),
-                    (70, 6, 2, 64, 130), (3, 40, 1, 16, 20), (16, 8, 2, 256, 70), (9, 6, 3, 96, 130)]
+                    (70, 6, 2, 64, 130), (3, 40, 1, 16, 20), (16, 8, 2, 256, 70), (9, 6, 3, 96, 130), (4, 9, 3, 64, 50)]
 
 
 def _attention_isas() -> list[int]:
@@ -241,8 +241,8 @@ def _attention_isas() -> list[int]:
 
 def test_attention_paths_agree_and_queries_are_independent():
     """The AVX2 path == the scalar twin bit for bit; query i's result is the same alone (at start + i) as
-    among T queries (what makes prefill, verify and decode agree); against PyTorch's attention, within
-    float32 rounding of sums over the keys and head dimensions."""
+    among T queries (what makes prefill, verify and decode agree) and on 1, 2 or 3 threads; against
+    PyTorch's attention, within float32 rounding of sums over the keys and head dimensions."""
     gen = torch.Generator().manual_seed(8)
     for t, h, hkv, d, start in ATTENTION_SHAPES:
         s = start + t + 3
@@ -254,6 +254,13 @@ def test_attention_paths_agree_and_queries_are_independent():
         alone = torch.cat([torch.ops.dflash.causal_attention(q[i : i + 1], k, v, start + i, scale, -1)
                            for i in range(t)])
         assert torch.equal(alone, outs[-1])
+        for threads in (2, 3):  # the tiles' positions follow the thread count: the loop order, not the bits
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                assert torch.equal(torch.ops.dflash.causal_attention(q, k, v, start, scale, -1), outs[-1])
+            finally:
+                torch.set_num_threads(before)
         want = reference.causal_attention(q, k, v, start, scale)
         tol = 4 * (start + t + d) * 2.0**-24 * v.abs().max()
         assert (outs[-1] - want).abs().max() <= tol, (t, h, d, start)

@@ -487,6 +487,17 @@ int64_t attention_isa() {  // 0 scalar, 1 AVX2 (+FMA), 2 AVX-512; ATEN_CPU_CAPAB
 #endif
 }
 
+// Positions per tile for t queries (at most `most`), with `per` tiles (kv heads x head chunks) at each
+// position range: the fewest tiles whose positions split t evenly and whose count the threads share
+// evenly, where there are such. A thread's time is its largest share: a 16-row verify pass of the
+// default model (3 kv heads) in tiles of 10 and 6 positions left one thread 90 queries and the other 54.
+// Only the loop order changes (every query's operations are its own), so the bits do not.
+int64_t tile_positions(int64_t t, int64_t most, int64_t per, int64_t threads) {
+  for (int64_t nt = (t + most - 1) / most; nt <= t; nt++)
+    if (t % nt == 0 && (nt * per) % threads == 0) return t / nt;
+  return std::min(t, most);
+}
+
 // query heads t * h of q [T, H, D] against a cache k, v [Hkv, S, D] of KV (float or float16) into out
 template <typename KV>
 void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start, double scale,
@@ -496,7 +507,8 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
                         float*, int64_t, float*, float* const*);
   Tile tile = nullptr;
   // a tile: up to 32 query heads of one kv head's group (hc of them) at pos consecutive positions
-  const int64_t group = h / hkv, hc = std::min<int64_t>(group, 32), pos = std::max<int64_t>(1, 32 / hc);
+  const int64_t group = h / hkv, hc = std::min<int64_t>(group, 32), chunks = (group + hc - 1) / hc;
+  const int64_t pos = tile_positions(t, std::max<int64_t>(1, 32 / hc), hkv * chunks, at::get_num_threads());
 #ifdef DFLASH_X86
   // a tile of fewer than 4 queries (a decode step's GQA group) does not repay the AVX-512 path's transposed
   // keys: the AVX2 tile, the same bits (tools/probes/attention_paths_probe.py)
@@ -515,7 +527,7 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   const int64_t ks = k.stride(1), vs = v.stride(1), khs = k.stride(0), vhs = v.stride(0);
 #ifdef DFLASH_X86
   if (tile) {
-    const int64_t chunks = (group + hc - 1) / hc, nt = (t + pos - 1) / pos, per = hkv * chunks;
+    const int64_t nt = (t + pos - 1) / pos, per = hkv * chunks;
     // about 64k multiply-adds per task before a second thread pays for waking
     const int64_t work = hc * std::min(pos, t) * (start + t) * d * 2;
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(work, 1));

@@ -94,16 +94,19 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_row_avx2(const float* x, 
     const float db = amax / 127.f;
     const float id = db != 0.f ? 1.f / db : 0.f;
     const __m256 idv = _mm256_set1_ps(id);
-    __m256i acc = _mm256_setzero_si256();
-    int32_t qi[QK];
+    __m256i acc = _mm256_setzero_si256(), iv[4];
     for (int j = 0; j < 4; j++) {
       __m256 r = _mm256_round_ps(_mm256_mul_ps(v[j], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       r = _mm256_min_ps(lim, _mm256_max_ps(nlim, r));
-      __m256i iv = _mm256_cvtps_epi32(r);
-      acc = _mm256_add_epi32(acc, iv);
-      _mm256_storeu_si256((__m256i*)(qi + 8 * j), iv);
+      iv[j] = _mm256_cvtps_epi32(r);
+      acc = _mm256_add_epi32(acc, iv[j]);
     }
-    for (int i = 0; i < QK; i++) q[b * QK + i] = (int8_t)qi[i];
+    // the 32 values (all within [-127, 127], so the saturating packs are exact) to bytes in one store: the
+    // packs interleave 128-bit lanes, dwords [v0 0-3, v1 0-3, v2 0-3, v3 0-3, v0 4-7, ...], and the
+    // permutation restores the order (a byte-by-byte copy cost more than the rest of the block)
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+    _mm256_storeu_si256((__m256i*)(q + b * QK),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     __m128i a4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
     a4 = _mm_add_epi32(a4, _mm_shuffle_epi32(a4, 0x4e));
     a4 = _mm_add_epi32(a4, _mm_shuffle_epi32(a4, 0xb1));

@@ -126,7 +126,7 @@ struct TileConfig {
 // same integer the other paths compute in two steps); Q4_1's stay unsigned (TDPBSUD), Q8_0 is signed.
 #define DFLASH_AMX_TDP(b, ta, tb, tc)                                                             \
   _tile_loadd(ta, x.q + r0 * x.k + (b) * QK, x.k);                                                \
-  _tile_loadd(tb, bt + (b) * 512, 64);                                                            \
+  _tile_loadd(tb, bt + ((b) & t.slots) * 512, 64);                                               \
   _tile_zero(tc);                                                                                 \
   if (fmt == Q4_1) _tile_dpbsud(tc, ta, tb); /* signed activations x unsigned nibbles */          \
   else _tile_dpbssd(tc, ta, tb);             /* signed activations x signed weights */
@@ -151,7 +151,8 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"))) inline void a
 struct AmxTile {
   const uint8_t* w0;  // group g's records
   const uint8_t* w1;  // group g + 1's, or zeros where the matrix has no such group (its columns are unused)
-  uint8_t* bt;        // [nb, 8, 64] bytes: B's rows for each block
+  uint8_t* bt;        // [nb or slots + 1, 8, 64] bytes: B's rows for each block (block b in row b & slots)
+  int64_t slots;      // all ones where later row tiles reuse every block; else 15, a ring of 16 blocks
   float* dws;         // [nb, 16] weight scales
   float* mws;         // [nb, 16] Q4_1 minimums
 };
@@ -176,7 +177,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"), always_inline)
   }
   const uint8_t* q0 = e0 + qoff;
   const uint8_t* q1 = e1 + qoff;
-  uint8_t* bb = t.bt + 512 * b;
+  uint8_t* bb = t.bt + 512 * (b & t.slots);
   // B's row j: chunk j of both groups, one 64-byte store
 #define DFLASH_BOTH(off)                                                                  \
   _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(q0 + (off)))), \
@@ -259,13 +260,16 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-ti
   buf.resize(nb * (512 + 128) + 64);
   uint8_t* bt = (uint8_t*)(((uintptr_t)buf.data() + 63) & ~(uintptr_t)63);
   float* dws = (float*)(bt + 512 * nb);
+  // one row tile (M <= 16) uses each unpacked block once: a ring of 16 (8 KB) instead of all nb blocks keeps
+  // L1 for the activations (K = 1536: 24 KB of them and as many of unpacked blocks overflowed its 48 KB)
+  const int64_t slots = m > tr ? ~(int64_t)0 : 15;
   thread_local std::vector<uint8_t> zeros;  // stands in for the missing second group of an odd group count
   zeros.assign(gstride, 0);
   alignas(64) float acc[16 * 16];
   for (int64_t t = t0; t < t1; t++) {  // a tile of 16 output columns: groups 2t and 2t + 1
     const int64_t g0 = 2 * t, cols = std::min<int64_t>(2 * GROUP, n - g0 * GROUP);
-    const AmxTile tile{wp + g0 * gstride, g0 + 1 < groups ? wp + (g0 + 1) * gstride : zeros.data(), bt, dws,
-                       dws + 16 * nb};
+    const AmxTile tile{wp + g0 * gstride, g0 + 1 < groups ? wp + (g0 + 1) * gstride : zeros.data(), bt, slots,
+                       dws, dws + 16 * nb};
     for (int64_t r0 = 0; r0 < m; r0 += tr) {
       const int64_t rows = std::min<int64_t>(tr, m - r0);
       amx_rows_n<fmt>(rows, x, r0, nb, tile, r0 == 0, acc);
