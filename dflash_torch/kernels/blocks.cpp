@@ -278,6 +278,7 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_rows(const uint8_t* w, int64_
   const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
   const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   __m256 acc[R];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* rec = w + b * gb;
@@ -285,9 +286,11 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_rows(const uint8_t* w, int64_
     const uint8_t* qs = rec + qoff;
     __m256i isum[R];
     if (fmt == Q8_0) {
+      #pragma GCC unroll 16
       for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
       for (int j = 0; j < 8; j++) {
         const __m256i wj = _mm256_loadu_si256((const __m256i*)(qs + 32 * j)), aw = _mm256_abs_epi8(wj);
+        #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
           const int32_t* x4 = (const int32_t*)(x.q + (r0 + r) * x.k + b * QK);
           const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), wj);
@@ -299,6 +302,7 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_rows(const uint8_t* w, int64_
       for (int j = 0; j < 4; j++) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
           const int32_t* x4 = (const int32_t*)(x.q + (r0 + r) * x.k + b * QK);
           const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[j])),
@@ -306,10 +310,12 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_rows(const uint8_t* w, int64_
           s16[r] = j == 0 ? t : _mm256_add_epi16(s16[r], t);
         }
       }
+      #pragma GCC unroll 16
       for (int r = 0; r < R; r++) isum[r] = _mm256_madd_epi16(s16[r], ones);
     }
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));
     const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16))) : _mm256_setzero_ps();
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
       const int64_t at = (r0 + r) * x.nb + b;
       if (fmt == Q4_0) isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_set1_epi32(x.s[at]), 3));
@@ -318,6 +324,7 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_rows(const uint8_t* w, int64_
       if (fmt == Q4_1) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mw, _mm256_set1_ps(x.ds[at])));
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++) _mm256_storeu_ps(out + GROUP * r, acc[r]);
 }
 

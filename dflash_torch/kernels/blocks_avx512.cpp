@@ -27,6 +27,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
   const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
   const __m512i low = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1);
   __m512 acc[R];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* e0 = w0 + b * gb;
@@ -55,6 +56,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
         wv[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
     }
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
       const int64_t row = r0 + r, at = row * x.nb + b;
       __m512i e = _mm512_setzero_si512(), o = _mm512_setzero_si512(), isum;  // two chains: integers, exact
@@ -79,6 +81,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
       if (fmt == Q4_1) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mw, _mm512_set1_ps(x.ds[at])));
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 #undef DFLASH_PAIR
@@ -140,6 +143,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"))) inline void a
   const __m512 mw = fmt == Q4_1 ? _mm512_loadu_ps(mws + 16 * b) : _mm512_setzero_ps();
   const float* dx = x.d + r0 * x.nb + b;
   const float* dsx = x.ds + r0 * x.nb + b;
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++) {
     const __m512 dd = _mm512_mul_ps(_mm512_set1_ps(dx[r * x.nb]), dw);
     acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), dd));
@@ -205,6 +209,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-ti
   alignas(64) int32_t ct[2][16 * 16];
   const uint8_t* bt = t.bt;
   __m512 acc[R];
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   constexpr int64_t ahead = 6;  // blocks unpacked ahead of their product: the stores settle before tile loads
   if (unpack)
@@ -226,6 +231,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-ti
       amx_scale<fmt, R>(x, r0, b + 1, ct[1], t.dws, t.mws, acc);
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < R; r++) _mm512_store_ps(out + 16 * r, acc[r]);
 }
 
