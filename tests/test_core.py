@@ -453,3 +453,29 @@ def test_doctor_lists_the_install(capsys):
     said = ("compiled, " + kernels.best_isa() if kernels.ensure() == "compiled" else "PyTorch reference")
     assert f"block kernels (q4_0 / q4_1 / q8_0, exact verification): {said}" in out
     assert "default model weights, MLP down: Q4_1 -> " in out  # stored -> what --quantize auto runs
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_block_embedding_row_cache_returns_fresh_lookups(tied, monkeypatch):
+    """A block-stored embedding keeps the rows it dequantized for small lookups: every lookup equals the
+    dequantized table's rows bit for bit (repeated ids, ids the cache dropped, lookups past its row limit),
+    what it returns is never the kept row itself, and moving the module drops what it kept."""
+    from dflash_torch.kernels import pack
+    from dflash_torch.models.quantize import BlockEmbedding, BlockLinear
+
+    g = torch.Generator().manual_seed(3)
+    for fmt in ("q8_0", "q4_1", "q4_0"):
+        raw = pack.quantize(torch.randn(70, 64, generator=g), fmt)
+        table = pack.dequantize(raw, fmt)
+        embed = BlockEmbedding(None, fmt, head=BlockLinear(None, fmt, raw=raw)) if tied else BlockEmbedding(raw, fmt)
+        monkeypatch.setattr(BlockEmbedding, "ROW_CACHE_BYTES", 10 * 4 * 64)  # room for SMALL_LOOKUP rows
+        monkeypatch.setattr(BlockEmbedding, "SMALL_LOOKUP", 12)
+        for ids in ([[5]], [[5]], [[1, 2, 3, 2, 1]], [list(range(12))], [list(range(40))], [[69, 0, 69]], [[5]]):
+            t = torch.tensor(ids)
+            got = embed(t)
+            assert got.shape == (*t.shape, 64) and torch.equal(got, table[t]), (fmt, ids)
+            got.add_(1.0)  # a caller writing into what it got changes nothing kept
+            assert torch.equal(embed(t), table[t])
+        assert len(embed.__dict__["_rows"]) <= 12
+        embed.to(torch.float32)
+        assert "_rows" not in embed.__dict__ and torch.equal(embed(torch.tensor([[7]])), table[torch.tensor([[7]])])
