@@ -237,7 +237,7 @@ class BlockEmbedding(nn.Module):
     # Rows dequantized before, kept for the next lookup of their token: a decode step looks up one token
     # and a verify pass a few, where the ~20 small tensor operations of a lookup cost 60 us (2% of the
     # default model's decode step on a fast CPU). The same values as a fresh lookup, so the same bits.
-    ROW_CACHE_BYTES = 32 << 20
+    ROW_CACHE_BYTES = 8 << 20
     SMALL_LOOKUP = 64  # rows per call served through the cache; prefills (more rows) dequantize in one go
 
     def _apply(self, fn, recurse=True):  # moved or cast: the kept rows would be stale
