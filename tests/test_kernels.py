@@ -406,3 +406,39 @@ def test_argmax_rows_is_torch_argmax():
             assert torch.equal(torch.ops.dflash.argmax_rows(x, isa), want), (width, isa)
         assert torch.equal(kernels.argmax(x), want)
         assert torch.equal(kernels.argmax(x[:, : max(1, width // 2)]), x[:, : max(1, width // 2)].argmax(-1))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_argmax_of_one_wide_row_split_over_threads(threads):
+    """One vocabulary-wide row is split over the threads by columns: the same index as torch.argmax, with
+    the maximum tied across the shares, a NaN in a later share only, NaNs in several, all -inf, signed
+    zeros, and widths the threads do not divide."""
+    gen = torch.Generator().manual_seed(12)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for width in (32768, 40001, 49152):
+            rows = []
+            x = torch.randn(width, generator=gen)
+            rows.append(x.clone())
+            y = x.clone()
+            y[width - 3] = y[5] = 9.0  # the maximum in the first and in the last share
+            rows.append(y)
+            y = x.clone()
+            y[width - 2] = float("nan")  # in the last share only
+            rows.append(y)
+            y = x.clone()
+            y[width - 2], y[width // 2 + 1], y[7] = float("nan"), float("nan"), 50.0
+            rows.append(y)
+            rows.append(torch.full((width,), float("-inf")))
+            y = torch.zeros(width)
+            y[: width // 2] = -0.0
+            rows.append(y)
+            y = (x * 2).round()
+            rows.append(y)
+            for row in rows:
+                for isa in ([0, 1] if kernels.best_isa() in ("avx2", "vnni", "amx") else [0]):
+                    got = torch.ops.dflash.argmax_rows(row[None], isa)
+                    assert torch.equal(got, row[None].argmax(-1)), (width, isa, threads)
+    finally:
+        torch.set_num_threads(before)
