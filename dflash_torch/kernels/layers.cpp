@@ -59,12 +59,8 @@ Tensor add_linear(const Ops& o, const Tensor& r, const Tensor& x, const Tensor& 
   return r + linear(o, x, packed, code, bias);
 }
 
-// act(gate) * up (act 0 silu, 1 gelu (tanh), 2 gelu) as `F.silu(gate) * up` computes it; from 4 rows the
-// threads take the rows in shares. Each element gets the operations it gets from one call on all rows
-// (the views are strided, so every row is its own inner loop of the elementwise kernels), so the bits
-// are the same.
-// The product is a plain loop: one IEEE multiply per element, as Tensor.mul_ computes it, without the
-// elementwise machinery's setup (4 us of a 16-row call's 13, for 8 rows of 1536).
+// act_mul's product for rows r0 .. r1: a plain loop, one IEEE multiply per element as Tensor.mul_
+// computes it, without the elementwise machinery's setup (4 us of a 16-row call's 13, 8 rows of 1536).
 void mul_rows(Tensor& out, const Tensor& up, int64_t r0, int64_t r1) {
   const int64_t n = out.size(1), us = up.stride(0);
   float* o = out.data_ptr<float>();
@@ -73,6 +69,10 @@ void mul_rows(Tensor& out, const Tensor& up, int64_t r0, int64_t r1) {
     for (int64_t i = 0; i < n; i++) o[r * n + i] *= u[r * us + i];
 }
 
+// act(gate) * up (act 0 silu, 1 gelu (tanh), 2 gelu) as `F.silu(gate) * up` computes it; from 4 rows the
+// threads take the rows in shares. Each element gets the operations it gets from one call on all rows
+// (the views are strided, so every row is its own inner loop of the elementwise kernels), so the bits
+// are the same.
 Tensor act_mul(const Tensor& gate, const Tensor& up, int64_t act) {
   auto apply = [act](Tensor& out, const Tensor& g) {
     if (act == 0) at::silu_out(out, g);
