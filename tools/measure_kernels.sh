@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The block kernels' measurements of docs/performance.md ("Block kernels"), one after the other on an
-# otherwise idle machine: the profile's verify/decode ratios, the per-shape kernel table beside PyTorch's
+# otherwise idle machine: the profile's verify/decode ratios, where a verify pass's time goes, the per-shape kernel table beside PyTorch's
 # int4 kernel and llama.cpp's batch scaling, the bench against llama.cpp, and the NLL table.
 #   bash tools/measure_kernels.sh OUT_DIR
 set -euo pipefail
@@ -14,6 +14,8 @@ for q in q4_0 q4_1 int4; do
   $dflash profile --quantize $q --repeats 20 --json > "$out/profile-$q.txt" 2>&1
   tail -1 "$out/profile-$q.txt"
 done
+# where a verify pass's time goes (the heaviest operators at 1, 4 and 16 rows)
+$py tools/probes/verify_ops_probe.py --rows 1,4,16 > "$out/verify_ops.txt" 2>&1
 # PEER=0: without llama.cpp (a llama-cpp-python built for another CPU dies of an illegal instruction)
 peer=${PEER:-1}
 $py tools/kernel_table.py --threads 2 --json "$out/kernel_table.json" $([ "$peer" = 1 ] || echo --no-llamacpp) \
