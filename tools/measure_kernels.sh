@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The block kernels' measurements of docs/performance.md ("Block kernels"), one after the other on an
-# otherwise idle machine: the profile's verify/decode ratios, where a verify pass's time goes, the per-shape kernel table beside PyTorch's
-# int4 kernel and llama.cpp's batch scaling, the bench against llama.cpp, and the NLL table.
+# otherwise idle machine: the profile's verify/decode ratios, where a verify pass's time goes, the
+# per-shape kernel table beside PyTorch's int4 kernel and llama.cpp's batch scaling, the bench against
+# llama.cpp, and the NLL table.
 #   bash tools/measure_kernels.sh OUT_DIR
 set -euo pipefail
 out=${1:?usage: bash tools/measure_kernels.sh OUT_DIR}
