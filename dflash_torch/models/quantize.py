@@ -235,8 +235,8 @@ class BlockEmbedding(nn.Module):
         self.register_buffer("weight", torch.empty(0, dtype=dtype), persistent=False)
 
     # Rows dequantized before, kept for the next lookup of their token: a decode step looks up one token
-    # and a verify pass a few, where the ~20 small tensor operations of a lookup cost 60 us (2% of the
-    # default model's decode step on a fast CPU). The same values as a fresh lookup, so the same bits.
+    # and a verify pass a few, where a lookup is ~20 small tensor operations (tens of microseconds, a few
+    # percent of the default model's decode step). The same values as a fresh lookup, so the same bits.
     ROW_CACHE_BYTES = 8 << 20
     SMALL_LOOKUP = 64  # rows per call served through the cache; prefills (more rows) dequantize in one go
 
