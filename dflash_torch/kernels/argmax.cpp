@@ -133,15 +133,7 @@ torch::Tensor argmax_rows(const torch::Tensor& x_in, int64_t isa) {
   }
   // a second thread pays from about 64k values a task
   at::parallel_for(0, t, std::max<int64_t>(1, (1 << 16) / n), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++) {
-#ifdef DFLASH_X86
-      if (isa == 1) {
-        op[r] = argmax_avx2(xp + r * n, n);
-        continue;
-      }
-#endif
-      op[r] = argmax_scalar(xp + r * n, n);
-    }
+    for (int64_t r = r0; r < r1; r++) op[r] = argmax_row(xp + r * n, n, isa);
   });
   return out;
 }
