@@ -32,31 +32,18 @@ void row_scalar(const float* x, const float* w, int64_t n, float eps, float* y) 
 }
 
 #ifdef DFLASH_X86
-__attribute__((target("avx2,fma"))) void row_avx2(const float* x, const float* w, int64_t n, float eps, float* y) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  const __m128 t = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  const float ss = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-  const __m256 r = _mm256_set1_ps(inv_rms(ss, n, eps));
+// R consecutive rows (R = 1, or 4 at once: four independent chains of fmas, since a chain's latency, not
+// the work, bounds a row and a 16-row verify pass paid it 16 times in a row); each row the same operations
+template <int R>
+__attribute__((target("avx2,fma"))) void rows_avx2(const float* x, const float* w, int64_t n, float eps, float* y) {
+  __m256 acc[R];
+  for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), r)));
-}
-
-// four rows at once, each with row_avx2's operations: four independent chains of fmas instead of one (a
-// chain's latency, not the work, bounds one row; a 16-row verify pass paid it 16 times in a row)
-__attribute__((target("avx2,fma"))) void rows4_avx2(const float* x, const float* w, int64_t n, float eps,
-                                                     float* y) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t i = 0; i < n; i += 8)
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < R; j++) {
       const __m256 v = _mm256_loadu_ps(x + j * n + i);
       acc[j] = _mm256_fmadd_ps(v, v, acc[j]);
     }
-  for (int j = 0; j < 4; j++) {
+  for (int j = 0; j < R; j++) {
     const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
     const __m128 t = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
     const float ss = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
@@ -98,12 +85,12 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, dou
     int64_t r = r0;
 #ifdef DFLASH_X86
     if (vec)
-      for (; r + 4 <= r1; r += 4) rows4_avx2(xp + r * n, wp, n, (float)eps, yp + r * n);
+      for (; r + 4 <= r1; r += 4) rows_avx2<4>(xp + r * n, wp, n, (float)eps, yp + r * n);
 #endif
     for (; r < r1; r++) {
 #ifdef DFLASH_X86
       if (vec) {
-        row_avx2(xp + r * n, wp, n, (float)eps, yp + r * n);
+        rows_avx2<1>(xp + r * n, wp, n, (float)eps, yp + r * n);
         continue;
       }
 #endif
