@@ -452,7 +452,7 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
   // the activations' quants and scales: scratch reused across calls (no allocation per call)
   thread_local std::vector<int8_t> qbuf;
   thread_local std::vector<float> dbuf, dsbuf;
-  thread_local std::vector<int32_t> sbuf;
+  thread_local std::vector<int32_t> sbuf, s8buf;
   thread_local std::vector<uint8_t> ubuf;  // Q8_0 on the 512-bit VNNI path: the quants + 128, unsigned
   const int64_t mpad = amx && m > 16 ? (m + 15) / 16 * 16 : m;  // AMX reads whole 16-row tiles past 16 rows
   qbuf.resize(mpad * k);
@@ -462,11 +462,14 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
   sbuf.resize(m * nb);
   const bool unsigned_q8 = fmt == Q8_0 && isa == VNNI;
   if (unsigned_q8) ubuf.resize(m * k);
+  const bool start_q4_0 = fmt == Q4_0 && isa == VNNI;  // the VNNI sums start at -8 * s: no shift, no subtract
+  if (start_q4_0) s8buf.resize(m * nb);
   // raw pointers: the buffers are the calling thread's, and the other threads of the region write into them
   const float* xp = x.data_ptr<float>();
   int8_t* qp = qbuf.data();
   float *dp = dbuf.data(), *dsp = dsbuf.data();
   int32_t* sp = sbuf.data();
+  int32_t* s8p = start_q4_0 ? s8buf.data() : nullptr;
   uint8_t* up = unsigned_q8 ? ubuf.data() : nullptr;
   auto quantize = [=](int64_t r0, int64_t r1) {  // rows [r0, r1): quants, scales, sums, Q4_1's d * sum
     for (int64_t r = r0; r < r1; r++) {
@@ -477,11 +480,13 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
 #endif
         quantize_row_scalar(xp + r * k, k, qp + r * k, dp + r * nb, sp + r * nb);
       for (int64_t i = r * nb; i < (r + 1) * nb; i++) dsp[i] = dp[i] * (float)sp[i];  // rounded once
+      if (s8p != nullptr)
+        for (int64_t i = r * nb; i < (r + 1) * nb; i++) s8p[i] = -8 * sp[i];
       if (up != nullptr)
         for (int64_t i = r * k; i < (r + 1) * k; i++) up[i] = (uint8_t)qp[i] ^ 0x80;
     }
   };
-  const Rows rows{qp, dp, sp, dsp, up, k, nb};
+  const Rows rows{qp, dp, sp, dsp, s8p, up, k, nb};
   const float* rp = nullptr;
   torch::Tensor r;
   if (residual != nullptr) {

@@ -38,6 +38,7 @@ struct Rows {  // quantized activations of the rows of one call
   const float* d;    // [rows, nb]
   const int32_t* s;  // [rows, nb]
   const float* ds;   // [rows, nb]: d * float(s), Q4_1's minimum term
+  const int32_t* s8; // [rows, nb]: -8 * s, Q4_0's correction, where a 512-bit VNNI sum starts (else null)
   const uint8_t* u;  // [rows, K]: q + 128 as unsigned bytes (the 512-bit VNNI path's Q8_0 operand), or null
   int64_t k, nb;
 };
