@@ -12,8 +12,9 @@ namespace {
 // multiplies 16 columns by 4 of the row's values and the block sums come out per column, as on the
 // 8-column AVX2 path, with half its instructions. The float step runs 16 columns wide with the operations
 // of DFLASH_FLOAT_STEP_AT in the same order, lane for lane, so the bits are every other path's. Up to 8
-// rows keep their sums in registers across all blocks; more rows go 8 at a time, each 8 unpacking the
-// pair's blocks again from L1 (K = 1536: 48 blocks, 14 KB). Q8_0: AVX-512 has no byte sign instruction,
+// rows, or 16, keep their sums in registers across all blocks (16: 16 sums and a block's 8 weight vectors
+// fill 24 of the 32 zmm registers, and each block is unpacked once for a 16-row verify pass); other row
+// counts go 16 or 8 at a time, each unpacking the pair's blocks again from L1. Q8_0: AVX-512 has no byte sign instruction,
 // so the activations go in as unsigned x + 128 (Rows::u) and 128 * sum(w) comes off again per block and
 // column: the same exact integer.
 #define DFLASH_PAIR(p0, p1, off)                                                                    \
