@@ -11,6 +11,8 @@ py=${PYTHON:-.venv/bin/python}
 dflash=${DFLASH:-.venv/bin/dflash}
 $py -c "import torch; print('cpu capability', torch.backends.cpu.get_cpu_capability()); from dflash_torch import kernels; print('kernels', kernels.best_isa())" | tee "$out/cpu.txt"
 grep -m1 "model name" /proc/cpuinfo | tee -a "$out/cpu.txt"
+# the vector ports under the VNNI loop (AVX-512 VNNI CPUs only; elsewhere it says why and the rest runs)
+$py tools/probes/zmm_ports_probe.py > "$out/zmm_ports.txt" 2>&1 || true
 for q in q4_0 q4_1 int4; do
   $dflash profile --quantize $q --repeats 20 --json > "$out/profile-$q.txt" 2>&1
   tail -1 "$out/profile-$q.txt"
