@@ -17,26 +17,16 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
-#include <cmath>
-#include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define DFLASH_X86 1
-#endif
+#include "attention.h"
 
 namespace {
 
-// exp(x) for x <= 0 (softmax after subtracting the max): 2^n * P(r), r = x - n ln2, Cephes' polynomial;
-// 0 below -87 (where 2^n would leave the normal range). Error ~2 ulp; the point is that every path
-// performs these same operations.
-constexpr float EXP_LO = -87.f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
-constexpr float C0 = 1.9875691500e-4f, C1 = 1.3981999507e-3f, C2 = 8.3334519073e-3f, C3 = 4.1665795894e-2f,
-                C4 = 1.6666665459e-1f, C5 = 5.0000001201e-1f;
+using namespace dflash_attention;
 
+// exp(x) for x <= 0, one float at a time: the operations of attention.h's comment, in their order
 inline float exp_scalar(float x) {
   if (x < EXP_LO) return 0.f;
   const float n = std::nearbyint(x * LOG2E);
@@ -91,35 +81,6 @@ void query_scalar(const float* q, const KV* k, int64_t ks, const KV* v, int64_t 
 }
 
 #ifdef DFLASH_X86
-#define DFLASH_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-// 8 cached floats (a float16 cache: 8 halves widened, exactly)
-DFLASH_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-DFLASH_AVX2 inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-DFLASH_AVX2 inline float tree8_avx2(__m256 a) {
-  const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // l0+l4 .. l3+l7
-  const __m128 t = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));  // (l0+l4)+(l2+l6), (l1+l5)+(l3+l7)
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-DFLASH_AVX2 inline __m256 exp_avx2(__m256 x) {
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
-  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(C0), r, _mm256_set1_ps(C1));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C2));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C3));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C4));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C5));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(y), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
-  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_GE_OQ);
-  return _mm256_and_ps(_mm256_castsi256_ps(bits), keep);
-}
-
 // The AVX2 path takes several queries that read the same keys and values (the heads of one GQA group, at
 // consecutive positions) at once; per query it performs the operations listed at the top, so only the loop
 // order depends on the tile. Keys and values are walked in blocks of KB that stay in L1 while every query
@@ -127,7 +88,6 @@ DFLASH_AVX2 inline __m256 exp_avx2(__m256 x) {
 // query. Each query's scores, its max, exps and sum, and its output sums (fma in key order, kept in memory
 // between blocks) are therefore the numbers it gets alone (tests/test_kernels.py compares them with the
 // scalar twin).
-constexpr int64_t KB = 64;
 
 // 8 keys' 8-lane dot sums a[0..8) -> their scores into dst[0..8): tree8's sums for all 8 at once
 DFLASH_AVX2 inline void reduce8_avx2(const __m256* a, __m256 sc, float* dst) {
@@ -208,33 +168,6 @@ DFLASH_AVX2 inline void values_avx2(const float* p, const KV* v, int64_t vs, int
   for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(a + 8 * c, ov[c]);
 }
 
-// the tile's outputs: each query's sums over its z
-template <int dv>
-DFLASH_AVX2 inline void finish_avx2(int count, const float* acc, const float* z, float* const* out) {
-  for (int u = 0; u < count; u++) {
-    const __m256 zb = _mm256_set1_ps(z[u]);
-    for (int64_t c = 0; c < dv; c++)
-      _mm256_storeu_ps(out[u] + 8 * c, _mm256_div_ps(_mm256_loadu_ps(acc + u * 8 * dv + 8 * c), zb));
-  }
-}
-
-// keys or values j0 .. j1 of a cache as float32 rows of 8 dv: a float cache as it is, a float16 one widened
-// (exactly) into dst once, so that every query of a tile reads floats instead of converting each element
-// again (the conversion cost as much as the multiply-adds on an AVX2-only CPU, AMD Zen 1)
-template <int dv>
-DFLASH_AVX2 inline const float* block_f32(const float* src, int64_t stride, int64_t j0, int64_t, float*, int64_t& out_stride) {
-  out_stride = stride;
-  return src + j0 * stride;
-}
-template <int dv>
-DFLASH_AVX2 inline const float* block_f32(const at::Half* src, int64_t stride, int64_t j0, int64_t j1, float* dst,
-                                          int64_t& out_stride) {
-  for (int64_t j = j0; j < j1; j++)
-    for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(dst + (j - j0) * 8 * dv + 8 * c, load8(src + j * stride + 8 * c));
-  out_stride = 8 * dv;
-  return dst;
-}
-
 // count queries q[u] (n[u] keys each) against one kv head; buf [count, stride] scratch, acc [count, 8 dv + 1]
 template <int dv, typename KV>
 DFLASH_AVX2 void tile_avx2(const float* const* q, const int64_t* n, int count, const KV* k, int64_t ks,
@@ -267,207 +200,6 @@ DFLASH_AVX2 void tile_avx2(const float* const* q, const int64_t* n, int count, c
   finish_avx2<dv>(count, acc, z, out);
 }
 
-// AVX-512: keys transposed, 16 keys per vector. Per block of KB keys, the tile first lays the keys out as
-// kt[i][j] = k_j[i] (float32; a float16 cache widened exactly on the way), once for all of its queries. A
-// query's scores then come 16 keys at a time without any reduction across lanes: accumulator l holds
-// dot lane l (d = l, l + 8, ...) for 16 keys, each by fma in d order as on the AVX2 path, and tree8's
-// adds become 7 vector adds; so every score is the same bits. Exps run 16 wide (elementwise: the same
-// operations), z's 8 lanes take the two halves in key order. The output sums run 16 dimensions wide,
-// two queries at once so that each value vector loaded serves both (fma in key order, per dimension).
-#define DFLASH_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512dq")))
-
-// 8 rows r[i] = [key i | key i + 8] (8 dimensions each) -> out[l] = dimension l of the 16 keys, in order
-DFLASH_AVX512 inline void transpose16x8(const __m512* r, __m512* out) {
-  __m512 t[8], s[8];
-  for (int i = 0; i < 4; i++) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);      // per 128 bits: a0 b0 a1 b1
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);  // a2 b2 a3 b3
-  }
-  for (int i = 0; i < 2; i++) {  // keys 4i .. 4i + 3 (and + 8): s[4i + e] = dimension e (and e + 4)
-    s[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    s[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
-    s[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    s[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
-  }
-  // s[e]'s 128-bit quarters: dim e of keys 0-3, dim e + 4 of keys 0-3, the same of keys 8-11; s[4 + e]: keys
-  // 4-7 and 12-15
-  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-  const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int e = 0; e < 4; e++) {
-    out[e] = _mm512_permutex2var_ps(s[e], lo, s[4 + e]);
-    out[e + 4] = _mm512_permutex2var_ps(s[e], hi, s[4 + e]);
-  }
-}
-
-// keys j0 .. j0 + m - 1 (m <= KB) into kt [8 dv][KB], zeros up to the next multiple of 16
-template <int dv, typename KV>
-DFLASH_AVX512 void transpose_keys(const KV* k, int64_t ks, int64_t j0, int64_t m, float* kt) {
-  for (int64_t jj = 0; jj < m; jj += 16)
-    for (int64_t c = 0; c < dv; c++) {
-      __m512 r[8], o[8];
-      for (int i = 0; i < 8; i++) {
-        const __m256 a = jj + i < m ? load8(k + (j0 + jj + i) * ks + 8 * c) : _mm256_setzero_ps();
-        const __m256 b = jj + i + 8 < m ? load8(k + (j0 + jj + i + 8) * ks + 8 * c) : _mm256_setzero_ps();
-        r[i] = _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
-      }
-      transpose16x8(r, o);
-      for (int l = 0; l < 8; l++) _mm512_store_ps(kt + (8 * c + l) * KB + jj, o[l]);
-    }
-}
-
-// tree8 over the 8 lanes' accumulators of 16 keys, then the scale: their 16 scores into dst
-DFLASH_AVX512 inline void scores16_avx512(const __m512* a, __m512 sc, float* dst) {
-  const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
-                                 _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
-  _mm512_storeu_ps(dst, _mm512_mul_ps(s, sc));
-}
-
-// the scores of keys jb + j, j < lim (lim <= KB, a multiple of 16 past the last key is zeros in kt) into dst
-template <int dv>
-DFLASH_AVX512 void scores_avx512(const float* q, const float* kt, int64_t lim, float scale, float* dst) {
-  const __m512 sc = _mm512_set1_ps(scale);
-  int64_t j = 0;
-  for (; j + 16 < lim; j += 32) {  // 32 keys: each broadcast of q serves two vectors of keys
-    __m512 a[8], b[8];
-    for (int l = 0; l < 8; l++) a[l] = b[l] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < dv; c++)
-      for (int l = 0; l < 8; l++) {
-        const __m512 x = _mm512_set1_ps(q[8 * c + l]);
-        const float* row = kt + (8 * c + l) * KB + j;
-        a[l] = _mm512_fmadd_ps(x, _mm512_load_ps(row), a[l]);
-        b[l] = _mm512_fmadd_ps(x, _mm512_load_ps(row + 16), b[l]);
-      }
-    scores16_avx512(a, sc, dst + j);
-    scores16_avx512(b, sc, dst + j + 16);
-  }
-  if (j < lim) {
-    __m512 a[8];
-    for (int l = 0; l < 8; l++) a[l] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < dv; c++)
-      for (int l = 0; l < 8; l++)
-        a[l] = _mm512_fmadd_ps(_mm512_set1_ps(q[8 * c + l]), _mm512_load_ps(kt + (8 * c + l) * KB + j), a[l]);
-    scores16_avx512(a, sc, dst + j);
-  }
-}
-
-DFLASH_AVX512 inline __m512 exp_avx512(__m512 x) {  // exp_avx2's operations, 16 wide
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(C0), r, _mm512_set1_ps(C1));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C2));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C3));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C4));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C5));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(y), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23));
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_GE_OQ);
-  return _mm512_maskz_mov_ps(keep, _mm512_castsi512_ps(bits));
-}
-
-// softmax_avx2's result: the max (exact in any order), exps 16 at a time, z's 8 lanes by j mod 8 in key
-// order (each 16's low half, then its high half); the rest as softmax_avx2 does it
-DFLASH_AVX512 float softmax_avx512(float* buf, int64_t n) {
-  __m512 mv = _mm512_set1_ps(-INFINITY);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(buf + j));
-  float m = _mm512_reduce_max_ps(mv);
-  for (; j < n; j++) m = std::fmax(m, buf[j]);
-  const __m512 mb = _mm512_set1_ps(m);
-  __m256 zv = _mm256_setzero_ps();
-  for (j = 0; j + 16 <= n; j += 16) {
-    const __m512 p = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(buf + j), mb));
-    _mm512_storeu_ps(buf + j, p);
-    zv = _mm256_add_ps(_mm256_add_ps(zv, _mm512_castps512_ps256(p)), _mm512_extractf32x8_ps(p, 1));
-  }
-  if (j < n) {  // the tail: lanes past n add nothing (exact: + 0)
-    alignas(64) float tmp[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t i = j; i < n; i++) tmp[i - j] = buf[i] - m;
-    const __m512 p = exp_avx512(_mm512_load_ps(tmp));
-    _mm512_store_ps(tmp, p);
-    for (int64_t i = j; i < n; i++) buf[i] = tmp[i - j];
-    const __m512 valid = _mm512_maskz_mov_ps((__mmask16)((1u << (n - j)) - 1), p);
-    zv = _mm256_add_ps(zv, _mm512_castps512_ps256(valid));
-    if (n - j > 8) zv = _mm256_add_ps(zv, _mm512_extractf32x8_ps(valid, 1));
-  }
-  return tree8_avx2(zv);
-}
-
-// two queries' output sums a [8 dv] (in memory between blocks) over values j0 .. lim - 1 of their softmax
-// weights p (indexed by key); vb holds the values from key jb on, rows of bs floats. 16 dimensions wide,
-// each value vector loaded once for both queries; per dimension fma in key order.
-template <int dv>
-DFLASH_AVX512 inline void values2_avx512(const float* pa, const float* pb, const float* vb, int64_t bs, int64_t jb,
-                                         int64_t j0, int64_t lim, float* aa, float* ab) {
-  constexpr int w = dv / 2;  // 16-float vectors per row (d a multiple of 16)
-  __m512 oa[w], ob[w];
-  for (int c = 0; c < w; c++) oa[c] = _mm512_loadu_ps(aa + 16 * c), ob[c] = _mm512_loadu_ps(ab + 16 * c);
-  for (int64_t j = j0; j < lim; j++) {
-    const __m512 x = _mm512_set1_ps(pa[j]), y = _mm512_set1_ps(pb[j]);
-    const float* vj = vb + (j - jb) * bs;
-    for (int c = 0; c < w; c++) {
-      const __m512 vv = _mm512_loadu_ps(vj + 16 * c);
-      oa[c] = _mm512_fmadd_ps(x, vv, oa[c]);
-      ob[c] = _mm512_fmadd_ps(y, vv, ob[c]);
-    }
-  }
-  for (int c = 0; c < w; c++) _mm512_storeu_ps(aa + 16 * c, oa[c]), _mm512_storeu_ps(ab + 16 * c, ob[c]);
-}
-
-// values2_avx512 for one query
-template <int dv>
-DFLASH_AVX512 inline void values1_avx512(const float* p, const float* vb, int64_t bs, int64_t jb, int64_t j0,
-                                         int64_t lim, float* a) {
-  constexpr int w = dv / 2;
-  __m512 o[w];
-  for (int c = 0; c < w; c++) o[c] = _mm512_loadu_ps(a + 16 * c);
-  for (int64_t j = j0; j < lim; j++) {
-    const __m512 x = _mm512_set1_ps(p[j]);
-    const float* vj = vb + (j - jb) * bs;
-    for (int c = 0; c < w; c++) o[c] = _mm512_fmadd_ps(x, _mm512_loadu_ps(vj + 16 * c), o[c]);
-  }
-  for (int c = 0; c < w; c++) _mm512_storeu_ps(a + 16 * c, o[c]);
-}
-
-// tile_avx2's interface and results (head dim 8 dv, a multiple of 16); buf's rows need 15 floats of room
-// past n (whole vectors of 16 scores are stored)
-template <int dv, typename KV>
-DFLASH_AVX512 void tile_avx512(const float* const* q, const int64_t* n, int count, const KV* k, int64_t ks,
-                               const KV* v, int64_t vs, float scale, float* buf, int64_t stride, float* acc,
-                               float* const* out) {
-  int64_t nmax = 0;
-  for (int u = 0; u < count; u++) nmax = std::max(nmax, n[u]);
-  alignas(64) float kt[8 * dv * KB];  // a block of keys, transposed; then a block of values, as float32
-  for (int64_t jb = 0; jb < nmax; jb += KB) {  // scores, a block of keys for every query
-    const int64_t m = std::min(KB, nmax - jb);
-    transpose_keys<dv>(k, ks, jb, m, kt);
-    for (int u = 0; u < count; u++)
-      if (jb < n[u]) scores_avx512<dv>(q[u], kt, std::min(KB, n[u] - jb), scale, buf + u * stride + jb);
-  }
-  float* z = acc + count * 8 * dv;
-  for (int u = 0; u < count; u++) {
-    z[u] = softmax_avx512(buf + u * stride, n[u]);
-    for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(acc + u * 8 * dv + 8 * c, _mm256_setzero_ps());
-  }
-  for (int64_t jb = 0; jb < nmax; jb += KB) {  // output sums, a block of values for every query
-    int64_t bs;
-    const float* vb = block_f32<dv>(v, vs, jb, std::min(jb + KB, nmax), kt, bs);
-    int u = 0;
-    for (; u + 2 <= count; u += 2) {
-      const int64_t la = std::min(jb + KB, n[u]), lb = std::min(jb + KB, n[u + 1]), both = std::min(la, lb);
-      const float *pa = buf + u * stride, *pb = buf + (u + 1) * stride;
-      float *aa = acc + u * 8 * dv, *ab = acc + (u + 1) * 8 * dv;
-      if (jb < both) values2_avx512<dv>(pa, pb, vb, bs, jb, jb, both, aa, ab);
-      // the longer query's values past the shorter one's, in key order
-      const int64_t from = std::max(jb, both);
-      if (from < la) values1_avx512<dv>(pa, vb, bs, jb, from, la, aa);
-      if (from < lb) values1_avx512<dv>(pb, vb, bs, jb, from, lb, ab);
-    }
-    if (u < count && jb < n[u])
-      values1_avx512<dv>(buf + u * stride, vb, bs, jb, jb, std::min(jb + KB, n[u]), acc + u * 8 * dv);
-  }
-  finish_avx2<dv>(count, acc, z, out);
-}
 #endif
 
 int64_t attention_isa() {  // 0 scalar, 1 AVX2 (+FMA), 2 AVX-512; ATEN_CPU_CAPABILITY caps it as PyTorch's
@@ -503,20 +235,22 @@ template <typename KV>
 void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start, double scale,
             int64_t isa, torch::Tensor& out) {
   const int64_t t = q.size(0), h = q.size(1), d = q.size(2), hkv = k.size(0);
-  using Tile = void (*)(const float* const*, const int64_t*, int, const KV*, int64_t, const KV*, int64_t, float,
-                        float*, int64_t, float*, float* const*);
-  Tile tile = nullptr;
+  Tile<KV> tile = nullptr;
   // a tile: up to 32 query heads of one kv head's group (hc of them) at pos consecutive positions
   const int64_t group = h / hkv, hc = std::min<int64_t>(group, 32), chunks = (group + hc - 1) / hc;
   const int64_t pos = tile_positions(t, std::max<int64_t>(1, 32 / hc), hkv * chunks, at::get_num_threads());
 #ifdef DFLASH_X86
-  // a tile of fewer than 4 queries (a decode step's GQA group) does not repay the AVX-512 path's transposed
-  // keys: the AVX2 tile, the same bits (tools/probes/attention_paths_probe.py)
-  if (isa == 2 && hc * std::min(pos, t) < 4) isa = 1;
-  if (isa == 2)
-    tile = d == 64 ? tile_avx512<8, KV> : d == 128 ? tile_avx512<16, KV> : d == 32 ? tile_avx512<4, KV>
-         : d == 16 ? tile_avx512<2, KV> : d == 256 ? tile_avx512<32, KV> : d == 96 ? tile_avx512<12, KV> : nullptr;
-  else if (isa == 1)
+  // A tile of fewer than 4 queries (a decode step's GQA group) does not repay the AVX-512 path's transposed
+  // keys. Two keys per vector pay from about 256 keys (tools/probes/attention_paths_probe.py, float16 cache,
+  // one query: 0.95x the AVX2 tile at 256 keys, 0.82x at 4k, 1.16x at 128); below that the AVX2 tile. The
+  // same bits whichever runs.
+  const bool small = hc * std::min(pos, t) < 4;
+  if (isa == 2) {
+    if (!small) tile = tile_avx512_for<KV>(d);
+    else if (start + t >= 256) tile = tile_pairs_for<KV>(d);
+    if (tile == nullptr && small) isa = 1;
+  }
+  if (isa == 1)
     tile = d == 64 ? tile_avx2<8, KV> : d == 128 ? tile_avx2<16, KV> : d == 32 ? tile_avx2<4, KV>
          : d == 16 ? tile_avx2<2, KV> : d == 256 ? tile_avx2<32, KV> : d == 96 ? tile_avx2<12, KV> : nullptr;
 #endif

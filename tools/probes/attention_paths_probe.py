@@ -3,7 +3,7 @@ over 3 kv heads, head dim 64): `causal_attention` with isa 1 (AVX2 tiles) and 2 
 and a float32 cache, T queries after `start` cached positions, in alternating rounds so that the
 machine's drift falls on both. (docs/performance.md, "Attention in tiles")
 
-    python tools/probes/attention_paths_probe.py [--rounds 7]
+    python tools/probes/attention_paths_probe.py [--rounds 7] [--starts 128,1008,4064]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=200, help="calls per round and path")
+    ap.add_argument("--starts", default="128,1008", help="cached positions before the queries")
     args = ap.parse_args()
     kernels.ensure()
     h, hkv, d = 9, 3, 64
@@ -29,7 +30,7 @@ def main() -> None:
           f"{torch.backends.cpu.get_cpu_capability()}; us per call, median of {args.rounds} rounds")
     print(f"{'cache':>8} {'start':>6} {'T':>3} {'avx2':>9} {'avx512':>9} {'avx512/avx2':>12}")
     for dtype in (torch.float16, torch.float32):
-        for start in (128, 1008):
+        for start in (int(x) for x in args.starts.split(",")):
             k = torch.randn(hkv, start + 32, d, generator=gen).to(dtype)
             v = torch.randn(hkv, start + 32, d, generator=gen).to(dtype)
             for t in (1, 4, 16):

@@ -1,4 +1,4 @@
-"""A steady loop of the default target's passes over R positions after 128 of context (a decode step at
+"""A steady loop of the default target's passes over R positions after 128 cached ones (a decode step at
 R = 1, a verify pass above), for a sampling profiler to attach to once the model has loaded:
 
     python tools/probes/steady_pass_probe.py --rows 1 --seconds 25 --quantize q4_0 &
@@ -26,9 +26,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=25.0)
     ap.add_argument("--quantize", default="q4_0")
+    ap.add_argument("--context", type=int, default=128, help="cached positions before the pass")
     args = ap.parse_args()
     target = load(None, None, "auto", "auto", quantize=args.quantize).target
-    context = 128
+    context = args.context
     prompt = torch.randint(0, target.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     cache = target.new_cache(context + args.rows + 1)
     with torch.inference_mode():

@@ -1,0 +1,101 @@
+// What the attention kernels' files share (attention.cpp: the reference order, the scalar twin, the AVX2
+// path and the dispatch; attention_avx512.cpp: the AVX-512 tiles): the exp's constants, the 8-lane helpers
+// that every vector path reduces with, and the tiles' interface.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define DFLASH_X86 1
+#endif
+
+namespace dflash_attention {
+
+// exp(x) for x <= 0 (softmax after subtracting the max): 2^n * P(r), r = x - n ln2, Cephes' polynomial;
+// 0 below -87 (where 2^n would leave the normal range). Error ~2 ulp; the point is that every path
+// performs these same operations.
+constexpr float EXP_LO = -87.f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
+constexpr float C0 = 1.9875691500e-4f, C1 = 1.3981999507e-3f, C2 = 8.3334519073e-3f, C3 = 4.1665795894e-2f,
+                C4 = 1.6666665459e-1f, C5 = 5.0000001201e-1f;
+
+// keys and values are walked in blocks of KB that stay in L1 while every query of a tile uses them
+constexpr int64_t KB = 64;
+
+#ifdef DFLASH_X86
+#define DFLASH_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define DFLASH_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512dq")))
+
+// 8 cached floats (a float16 cache: 8 halves widened, exactly)
+DFLASH_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+DFLASH_AVX2 inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+DFLASH_AVX2 inline float tree8_avx2(__m256 a) {
+  const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // l0+l4 .. l3+l7
+  const __m128 t = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));  // (l0+l4)+(l2+l6), (l1+l5)+(l3+l7)
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+DFLASH_AVX2 inline __m256 exp_avx2(__m256 x) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(C0), r, _mm256_set1_ps(C1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C5));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(y), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_GE_OQ);
+  return _mm256_and_ps(_mm256_castsi256_ps(bits), keep);
+}
+
+// the tile's outputs: each query's sums over its z
+template <int dv>
+DFLASH_AVX2 inline void finish_avx2(int count, const float* acc, const float* z, float* const* out) {
+  for (int u = 0; u < count; u++) {
+    const __m256 zb = _mm256_set1_ps(z[u]);
+    for (int64_t c = 0; c < dv; c++)
+      _mm256_storeu_ps(out[u] + 8 * c, _mm256_div_ps(_mm256_loadu_ps(acc + u * 8 * dv + 8 * c), zb));
+  }
+}
+
+// keys or values j0 .. j1 of a cache as float32 rows of 8 dv: a float cache as it is, a float16 one widened
+// (exactly) into dst once, so that every query of a tile reads floats instead of converting each element
+// again (the conversion cost as much as the multiply-adds on an AVX2-only CPU, AMD Zen 1)
+template <int dv>
+DFLASH_AVX2 inline const float* block_f32(const float* src, int64_t stride, int64_t j0, int64_t, float*, int64_t& out_stride) {
+  out_stride = stride;
+  return src + j0 * stride;
+}
+template <int dv>
+DFLASH_AVX2 inline const float* block_f32(const at::Half* src, int64_t stride, int64_t j0, int64_t j1, float* dst,
+                                          int64_t& out_stride) {
+  for (int64_t j = j0; j < j1; j++)
+    for (int64_t c = 0; c < dv; c++) _mm256_storeu_ps(dst + (j - j0) * 8 * dv + 8 * c, load8(src + j * stride + 8 * c));
+  out_stride = 8 * dv;
+  return dst;
+}
+
+// A tile: count queries q[u] (n[u] keys each) against one kv head's keys k and values v (rows ks, vs
+// apart); buf [count, stride] scratch for scores, acc [count, d + 1] for output sums; outputs to out[u].
+template <typename KV>
+using Tile = void (*)(const float* const*, const int64_t*, int, const KV*, int64_t, const KV*, int64_t, float, float*,
+                      int64_t, float*, float* const*);
+
+// the AVX-512 tiles for head size d (null where there is none): keys transposed, for tiles of 4 or more
+// queries; two keys per vector, for fewer (a decode step's GQA group)
+template <typename KV>
+Tile<KV> tile_avx512_for(int64_t d);
+template <typename KV>
+Tile<KV> tile_pairs_for(int64_t d);
+#endif
+
+}  // namespace dflash_attention
