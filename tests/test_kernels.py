@@ -222,11 +222,12 @@ def test_auto_picks_the_files_own_blocks():
 
 # (T, H, Hkv, D, start); the AVX2 path's tiles (up to 32 query heads of a kv head x positions) then cover:
 # one query, several tiles of positions (70 rows: 7 tiles of 10 x 3 heads), a group of more than 32 heads;
-# the AVX-512 path's tiles of fewer than 4 queries after 256 keys or more (two keys per vector) every head
-# size they take, with key counts across and inside its blocks of 64 (also in the queries taken alone below)
+# the AVX-512 path's tiles of fewer than 4 queries on a float16 cache after 512 keys or more (two keys per
+# vector: the float16 test below holds them to the float32 cache's AVX2 tile) every head size they take,
+# with key counts across and inside their blocks of 64
 ATTENTION_SHAPES = [(1, 9, 3, 64, 100), (16, 9, 3, 64, 37), (5, 4, 4, 16, 0), (3, 8, 2, 128, 1000), (7, 4, 2, 24, 5),
                     (70, 6, 2, 64, 130), (3, 40, 1, 16, 20), (16, 8, 2, 256, 70), (9, 6, 3, 96, 130), (4, 9, 3, 64, 50),
-                    (1, 9, 3, 64, 300), (2, 2, 1, 128, 300), (1, 3, 1, 32, 319), (1, 6, 3, 96, 260), (1, 4, 4, 16, 257)]
+                    (1, 9, 3, 64, 600), (2, 2, 1, 128, 520), (1, 3, 1, 32, 575), (1, 6, 3, 96, 516), (1, 4, 4, 16, 513)]
 
 
 def _attention_isas() -> list[int]:

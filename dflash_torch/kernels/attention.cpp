@@ -18,6 +18,7 @@
 #include <torch/types.h>
 
 #include <cstdlib>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
@@ -241,13 +242,15 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   const int64_t pos = tile_positions(t, std::max<int64_t>(1, 32 / hc), hkv * chunks, at::get_num_threads());
 #ifdef DFLASH_X86
   // A tile of fewer than 4 queries (a decode step's GQA group) does not repay the AVX-512 path's transposed
-  // keys. Two keys per vector pay from about 256 keys (tools/probes/attention_paths_probe.py, float16 cache,
-  // one query: 0.95x the AVX2 tile at 256 keys, 0.82x at 4k, 1.16x at 128); below that the AVX2 tile. The
-  // same bits whichever runs.
+  // keys. On a float16 cache two keys per vector pay from about 512 keys (tools/probes/attention_paths_probe.py,
+  // one query, three runs: 0.93-0.97x the AVX2 tile at 512 keys, 0.85-0.96x at 1k, 0.82-0.89x at 4k, 0.90-1.10x
+  // at 256, 1.16x at 128; on a float32 cache, which the AVX2 tile reads without widening, 1.09-1.10x up to 1k
+  // keys); else the AVX2 tile. The same bits either way.
   const bool small = hc * std::min(pos, t) < 4;
   if (isa == 2) {
     if (!small) tile = tile_avx512_for<KV>(d);
-    else if (start + t >= 256) tile = tile_pairs_for<KV>(d);
+    if constexpr (std::is_same_v<KV, at::Half>)
+      if (small && start + t >= 512) tile = tile_pairs_half(d);
     if (tile == nullptr && small) isa = 1;
   }
   if (isa == 1)

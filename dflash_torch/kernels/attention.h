@@ -91,11 +91,10 @@ using Tile = void (*)(const float* const*, const int64_t*, int, const KV*, int64
                       int64_t, float*, float* const*);
 
 // the AVX-512 tiles for head size d (null where there is none): keys transposed, for tiles of 4 or more
-// queries; two keys per vector, for fewer (a decode step's GQA group)
+// queries; two keys per vector, for fewer (a decode step's GQA group) on a float16 cache
 template <typename KV>
 Tile<KV> tile_avx512_for(int64_t d);
-template <typename KV>
-Tile<KV> tile_pairs_for(int64_t d);
+Tile<at::Half> tile_pairs_half(int64_t d);
 #endif
 
 }  // namespace dflash_attention

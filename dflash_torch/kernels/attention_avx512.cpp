@@ -291,13 +291,11 @@ Tile<KV> tile_avx512_for(int64_t d) {
 template Tile<float> tile_avx512_for<float>(int64_t);
 template Tile<at::Half> tile_avx512_for<at::Half>(int64_t);
 
-template <typename KV>
-Tile<KV> tile_pairs_for(int64_t d) {  // not 256: 32 vectors of the query's chunks would not stay in registers
-  return d == 64 ? tile_pairs<8, KV> : d == 128 ? tile_pairs<16, KV> : d == 32 ? tile_pairs<4, KV>
-       : d == 16 ? tile_pairs<2, KV> : d == 96 ? tile_pairs<12, KV> : nullptr;
+Tile<at::Half> tile_pairs_half(int64_t d) {  // not 256: 32 vectors of the query's chunks would not stay in registers
+  using H = at::Half;
+  return d == 64 ? tile_pairs<8, H> : d == 128 ? tile_pairs<16, H> : d == 32 ? tile_pairs<4, H>
+       : d == 16 ? tile_pairs<2, H> : d == 96 ? tile_pairs<12, H> : nullptr;
 }
-template Tile<float> tile_pairs_for<float>(int64_t);
-template Tile<at::Half> tile_pairs_for<at::Half>(int64_t);
 
 }  // namespace dflash_attention
 #endif
