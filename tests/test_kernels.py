@@ -318,15 +318,24 @@ def test_threads_split_rows_and_columns_exactly(threads):
 
 def test_float16_cache_reads_as_its_widened_values():
     """A float16 cache (block-format targets keep theirs so) gives exactly what the float32 kernel gives on
-    the same values widened, on every path, for every shape the float32 test takes."""
+    the same values widened, on every path and on 1, 2 or 3 threads, for every shape the float32 test takes."""
     gen = torch.Generator().manual_seed(12)
     for t, h, hkv, d, start in ATTENTION_SHAPES:
         s = start + t + 3
         q = torch.randn(t, h, d, generator=gen)
         k, v = (torch.randn(hkv, s, d, generator=gen).half() for _ in range(2))
+        want = torch.ops.dflash.causal_attention(q, k.float(), v.float(), start, d**-0.5, 0)  # the scalar twin
         for isa in _attention_isas():
             got = torch.ops.dflash.causal_attention(q, k, v, start, d**-0.5, isa)
             assert torch.equal(got, torch.ops.dflash.causal_attention(q, k.float(), v.float(), start, d**-0.5, isa))
+            assert torch.equal(got, want), (t, h, d, start, isa)
+        before = torch.get_num_threads()
+        try:
+            for threads in (2, 3):  # a decode step's work split over threads by keys and by dimensions
+                torch.set_num_threads(threads)
+                assert torch.equal(torch.ops.dflash.causal_attention(q, k, v, start, d**-0.5, -1), want), threads
+        finally:
+            torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -263,6 +263,13 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   float* op = out.data_ptr<float>();
   const int64_t ks = k.stride(1), vs = v.stride(1), khs = k.stride(0), vhs = v.stride(0);
 #ifdef DFLASH_X86
+  if constexpr (std::is_same_v<KV, at::Half>) {
+    // a decode step where the pair tile would run: split by keys and by dimensions instead of by kv heads,
+    // so that every thread has as much to do (the same bits: decode_split_half)
+    if (tile != nullptr && isa == 2 && small && t == 1 &&
+        decode_split_half(qp, kp, ks, khs, vp, vs, vhs, start + 1, h, hkv, d, (float)scale, op))
+      return;
+  }
   if (tile) {
     const int64_t nt = (t + pos - 1) / pos, per = hkv * chunks;
     // about 64k multiply-adds per task before a second thread pays for waking

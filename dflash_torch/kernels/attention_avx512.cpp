@@ -3,7 +3,10 @@
 
 #include "attention.h"
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <vector>
 
 #ifdef DFLASH_X86
 namespace dflash_attention {
@@ -281,6 +284,95 @@ DFLASH_AVX512 void tile_pairs(const float* const* q, const int64_t* n, int count
   softmax_values_avx512<dv>(n, count, nmax, v, vs, buf, stride, acc, kp, out);
 }
 
+// ---- A decode step over a long float16 cache, split evenly over the threads ----
+// Tiles of a kv head's queries leave threads idle where the kv heads do not divide among them (3 over 2:
+// one thread waits a third of the time). The same numbers, split otherwise: the scores by blocks of keys
+// (each score is its own sum), then the softmax per query, then the output sums by 16 dimensions at a time
+// (each dimension's chain over the keys, in key order, is its own). Every operation is tile_pairs's.
+// tasks i0 .. i1 of the scores (task i: kv head i / blocks, keys of block i % blocks)
+template <int dv>
+DFLASH_AVX512 void split_scores(int64_t i0, int64_t i1, const float* q, const at::Half* k, int64_t ks, int64_t khs,
+                                int64_t n, int64_t group, float scale, float* scores, int64_t stride) {
+  constexpr int64_t d = 8 * dv;
+  const int64_t blocks = (n + KB - 1) / KB;
+  alignas(64) float kp[8 * dv * KB];
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t i = i0; i < i1; i++) {
+    const int64_t g = i / blocks, jb = (i % blocks) * KB, m = std::min(KB, n - jb);
+    pair_keys<dv>(k + g * khs, ks, jb, m, kp);
+    for (int64_t hi = g * group; hi < (g + 1) * group; hi++) {
+      __m512 qq[dv];
+      for (int c = 0; c < dv; c++) qq[c] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + hi * d + 8 * c));
+      for (int64_t j = 0; j < m; j += 8) {
+        __m512 a[4];
+        for (int u = 0; u < 4; u++) {
+          const float* pr = kp + (j / 2 + u) * dv * 16;
+          a[u] = _mm512_setzero_ps();
+          for (int c = 0; c < dv; c++) a[u] = _mm512_fmadd_ps(qq[c], _mm512_load_ps(pr + 16 * c), a[u]);
+        }
+        reduce8_pairs(a, sc, scores + hi * stride + jb + j);
+      }
+    }
+  }
+}
+
+// C queries' sums over n values (16 dimensions from vg, rows vs apart) of their softmax weights p (rows
+// `stride` apart), fma in key order per dimension, each over its z, into out (rows d apart)
+template <int C>
+DFLASH_AVX512 inline void values16(const at::Half* vg, int64_t vs, int64_t n, const float* p, int64_t stride,
+                                   const float* z, float* out, int64_t d) {
+  __m512 o[C];
+  for (int u = 0; u < C; u++) o[u] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j++) {
+    const __m512 vv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vg + j * vs)));
+    for (int u = 0; u < C; u++) o[u] = _mm512_fmadd_ps(_mm512_set1_ps(p[u * stride + j]), vv, o[u]);
+  }
+  for (int u = 0; u < C; u++) _mm512_storeu_ps(out + u * d, _mm512_div_ps(o[u], _mm512_set1_ps(z[u])));
+}
+
+// tasks i0 .. i1 of the output sums (task i: kv head i / w, dimensions 16 (i % w) ..), each query's over z
+template <int dv>
+DFLASH_AVX512 void split_values(int64_t i0, int64_t i1, const at::Half* v, int64_t vs, int64_t vhs, int64_t n,
+                                int64_t group, const float* scores, int64_t stride, const float* z, float* out) {
+  constexpr int64_t d = 8 * dv, w = dv / 2;
+  for (int64_t i = i0; i < i1; i++) {
+    const int64_t g = i / w, c = i % w;
+    const at::Half* vg = v + g * vhs + 16 * c;
+    for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 4) {  // up to 4 queries share each value loaded
+      float* o = out + h0 * d + 16 * c;
+      const float* p = scores + h0 * stride;
+      switch (std::min<int64_t>(4, (g + 1) * group - h0)) {
+        case 1: values16<1>(vg, vs, n, p, stride, z + h0, o, d); break;
+        case 2: values16<2>(vg, vs, n, p, stride, z + h0, o, d); break;
+        case 3: values16<3>(vg, vs, n, p, stride, z + h0, o, d); break;
+        default: values16<4>(vg, vs, n, p, stride, z + h0, o, d); break;
+      }
+    }
+  }
+}
+
+// A decode step over a long float16 cache, split evenly over the threads. Tiles of a kv head's queries
+// leave threads idle where the kv heads do not divide among them (3 over 2: one thread waits a third of
+// the time). The same numbers, split otherwise: the scores by blocks of keys (each score is its own sum),
+// the softmax per query, the output sums by 16 dimensions at a time (each dimension's chain over the keys,
+// in key order, is its own). Every operation is tile_pairs's.
+template <int dv>
+void decode_split(const float* q, const at::Half* k, int64_t ks, int64_t khs, const at::Half* v, int64_t vs,
+                  int64_t vhs, int64_t n, int64_t h, int64_t hkv, float scale, float* out) {
+  const int64_t group = h / hkv, blocks = (n + KB - 1) / KB, stride = blocks * KB + 16;
+  std::vector<float> scores(h * stride), z(h);
+  float *sp = scores.data(), *zp = z.data();
+  at::parallel_for(0, hkv * blocks, 1, [&](int64_t i0, int64_t i1) {
+    split_scores<dv>(i0, i1, q, k, ks, khs, n, group, scale, sp, stride);
+  });
+  at::parallel_for(0, h, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t hi = h0; hi < h1; hi++) zp[hi] = softmax_avx512(sp + hi * stride, n);
+  });
+  at::parallel_for(0, hkv * (dv / 2), 1, [&](int64_t i0, int64_t i1) {
+    split_values<dv>(i0, i1, v, vs, vhs, n, group, sp, stride, zp, out);
+  });
+}
+
 }  // namespace
 
 template <typename KV>
@@ -290,6 +382,13 @@ Tile<KV> tile_avx512_for(int64_t d) {
 }
 template Tile<float> tile_avx512_for<float>(int64_t);
 template Tile<at::Half> tile_avx512_for<at::Half>(int64_t);
+
+bool decode_split_half(const float* q, const at::Half* k, int64_t ks, int64_t khs, const at::Half* v, int64_t vs,
+                       int64_t vhs, int64_t n, int64_t h, int64_t hkv, int64_t d, float scale, float* out) {
+  auto run = [&](auto fn) { fn(q, k, ks, khs, v, vs, vhs, n, h, hkv, scale, out); return true; };
+  return d == 64 ? run(decode_split<8>) : d == 128 ? run(decode_split<16>) : d == 32 ? run(decode_split<4>)
+       : d == 16 ? run(decode_split<2>) : d == 96 ? run(decode_split<12>) : false;
+}
 
 Tile<at::Half> tile_pairs_half(int64_t d) {  // not 256: 32 vectors of the query's chunks would not stay in registers
   using H = at::Half;
