@@ -7,11 +7,12 @@
 // Per query q and head (GQA: query head h reads kv head h / (H / Hkv)):
 //   s_j = dot(q, k_j) * scale                     dot: 8 lanes, lane l sums d = l, l + 8, ... by fma in d
 //                                                 order, then ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
-//   m = max_j s_j;  p_j = exp(s_j - m)            exp: dflash_exp below, the same operations on every path
+//   m = max_j s_j;  p_j = exp(s_j - m)            exp: exp_scalar below (attention.h: its constants)
 //   z = sum_j p_j                                 8 lanes by j mod 8, then the tree above
 //   o[d] = (sum_j p_j v_j[d], by fma in j order) / z
-// The AVX2 path and the scalar twin compute exactly this (tests/test_kernels.py compares them bit for bit);
-// the AVX2 path takes the queries that share a kv head in tiles (tile_avx2), which changes only the loop order.
+// The AVX2 path, the AVX-512 paths (attention_avx512.cpp) and the scalar twin compute exactly this
+// (tests/test_kernels.py compares them bit for bit); the vector paths take the queries that share a kv head
+// in tiles (tile_avx2), or split a decode step by keys and by dimensions, which changes only the loop order.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
