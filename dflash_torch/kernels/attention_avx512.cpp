@@ -209,8 +209,7 @@ template <int dv, typename KV>
 DFLASH_AVX512 void tile_avx512(const float* const* q, const int64_t* n, int count, const KV* k, int64_t ks,
                                const KV* v, int64_t vs, float scale, float* buf, int64_t stride, float* acc,
                                float* const* out) {
-  int64_t nmax = 0;
-  for (int u = 0; u < count; u++) nmax = std::max(nmax, n[u]);
+  const int64_t nmax = *std::max_element(n, n + count);
   alignas(64) float kt[8 * dv * KB];  // a block of keys, transposed; then a block of values, as float32
   for (int64_t jb = 0; jb < nmax; jb += KB) {  // scores, a block of keys for every query
     const int64_t m = std::min(KB, nmax - jb);
@@ -253,14 +252,30 @@ DFLASH_AVX512 inline void reduce8_pairs(const __m512* a, __m512 sc, float* dst) 
   _mm256_storeu_ps(dst, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, s)));
 }
 
+// one query's scores of keys 0 .. lim - 1 of a block in pairs (pair_keys) into dst, 8 keys at a time (those
+// past lim, up to the next multiple of 8, land in dst's room)
+template <int dv>
+DFLASH_AVX512 inline void pair_scores(const float* q, const float* kp, int64_t lim, __m512 sc, float* dst) {
+  __m512 qq[dv];  // the query's chunks, each twice
+  for (int c = 0; c < dv; c++) qq[c] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + 8 * c));
+  for (int64_t j = 0; j < lim; j += 8) {
+    __m512 a[4];
+    for (int i = 0; i < 4; i++) {
+      const float* pr = kp + (j / 2 + i) * dv * 16;
+      a[i] = _mm512_setzero_ps();
+      for (int c = 0; c < dv; c++) a[i] = _mm512_fmadd_ps(qq[c], _mm512_load_ps(pr + 16 * c), a[i]);
+    }
+    reduce8_pairs(a, sc, dst + j);
+  }
+}
+
 // tile_avx2's interface and results (head dim 8 dv, a multiple of 16); buf's rows need 15 floats of room
 // past n
 template <int dv, typename KV>
 DFLASH_AVX512 void tile_pairs(const float* const* q, const int64_t* n, int count, const KV* k, int64_t ks,
                               const KV* v, int64_t vs, float scale, float* buf, int64_t stride, float* acc,
                               float* const* out) {
-  int64_t nmax = 0;
-  for (int u = 0; u < count; u++) nmax = std::max(nmax, n[u]);
+  const int64_t nmax = *std::max_element(n, n + count);
   alignas(64) float kp[8 * dv * KB];  // a block of keys in pairs; then a block of values, as float32
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t jb = 0; jb < nmax; jb += KB) {  // scores, a block of keys for every query
@@ -268,17 +283,7 @@ DFLASH_AVX512 void tile_pairs(const float* const* q, const int64_t* n, int count
     for (int u = 0; u < count; u++) {
       if (jb >= n[u]) continue;
       const int64_t lim = std::min(KB, n[u] - jb);
-      __m512 qq[dv];  // the query's chunks, each twice
-      for (int c = 0; c < dv; c++) qq[c] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[u] + 8 * c));
-      for (int64_t j = 0; j < lim; j += 8) {  // 8 keys at a time; those past lim land in buf's room
-        __m512 a[4];
-        for (int i = 0; i < 4; i++) {
-          const float* pr = kp + (j / 2 + i) * dv * 16;
-          a[i] = _mm512_setzero_ps();
-          for (int c = 0; c < dv; c++) a[i] = _mm512_fmadd_ps(qq[c], _mm512_load_ps(pr + 16 * c), a[i]);
-        }
-        reduce8_pairs(a, sc, buf + u * stride + jb + j);
-      }
+      pair_scores<dv>(q[u], kp, lim, sc, buf + u * stride + jb);
     }
   }
   softmax_values_avx512<dv>(n, count, nmax, v, vs, buf, stride, acc, kp, out);
@@ -301,17 +306,7 @@ DFLASH_AVX512 void split_scores(int64_t i0, int64_t i1, const float* q, const at
     const int64_t g = i / blocks, jb = (i % blocks) * KB, m = std::min(KB, n - jb);
     pair_keys<dv>(k + g * khs, ks, jb, m, kp);
     for (int64_t hi = g * group; hi < (g + 1) * group; hi++) {
-      __m512 qq[dv];
-      for (int c = 0; c < dv; c++) qq[c] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + hi * d + 8 * c));
-      for (int64_t j = 0; j < m; j += 8) {
-        __m512 a[4];
-        for (int u = 0; u < 4; u++) {
-          const float* pr = kp + (j / 2 + u) * dv * 16;
-          a[u] = _mm512_setzero_ps();
-          for (int c = 0; c < dv; c++) a[u] = _mm512_fmadd_ps(qq[c], _mm512_load_ps(pr + 16 * c), a[u]);
-        }
-        reduce8_pairs(a, sc, scores + hi * stride + jb + j);
-      }
+      pair_scores<dv>(q + hi * d, kp, m, sc, scores + hi * stride + jb);
     }
   }
 }
