@@ -244,9 +244,9 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
 #ifdef DFLASH_X86
   // A tile of fewer than 4 queries (a decode step's GQA group) does not repay the AVX-512 path's transposed
   // keys. On a float16 cache two keys per vector pay from about 512 keys (tools/probes/attention_paths_probe.py,
-  // Intel Xeon model 207 with AVX-512 VNNI, 2 threads, one query, three runs: 0.93-0.97x the AVX2 tile at 512 keys, 0.85-0.96x at 1k, 0.82-0.89x at 4k, 0.90-1.10x
-  // at 256, 1.16x at 128; on a float32 cache, which the AVX2 tile reads without widening, 1.09-1.10x up to 1k
-  // keys); else the AVX2 tile. The same bits either way.
+  // Intel Xeon model 207 with AVX-512 VNNI, 2 threads, one query, three runs: 0.93-0.97x the AVX2 tile at 512
+  // keys, 0.85-0.96x at 1k, 0.82-0.89x at 4k, 0.90-1.10x at 256, 1.16x at 128; on a float32 cache, which the
+  // AVX2 tile reads without widening, 1.09-1.10x up to 1k keys); else the AVX2 tile. The same bits either way.
   const bool small = hc * std::min(pos, t) < 4;
   if (isa == 2) {
     if (!small) tile = tile_avx512_for<KV>(d);
