@@ -14,9 +14,9 @@ namespace {
 // of DFLASH_FLOAT_STEP_AT in the same order, lane for lane, so the bits are every other path's. Up to 8
 // rows, or 16, keep their sums in registers across all blocks (16: 16 sums and a block's 8 weight vectors
 // fill 24 of the 32 zmm registers, and each block is unpacked once for a 16-row verify pass); other row
-// counts go 16 or 8 at a time, each unpacking the pair's blocks again from L1. Q8_0: AVX-512 has no byte sign instruction,
-// so the activations go in as unsigned x + 128 (Rows::u) and 128 * sum(w) comes off again per block and
-// column: the same exact integer.
+// counts go 16 or 8 at a time, each unpacking the pair's blocks again from L1. Q8_0: AVX-512 has no byte
+// sign instruction, so the activations go in as unsigned x + 128 (Rows::u) and 128 * sum(w) comes off again
+// per block and column: the same exact integer.
 #define DFLASH_PAIR(p0, p1, off)                                                                    \
   _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)((p0) + (off)))),     \
                      _mm256_loadu_si256((const __m256i*)((p1) + (off))), 1)
