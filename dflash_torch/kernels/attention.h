@@ -95,10 +95,10 @@ using Tile = void (*)(const float* const*, const int64_t*, int, const KV*, int64
 template <typename KV>
 Tile<KV> tile_avx512_for(int64_t d);
 Tile<at::Half> tile_pairs_half(int64_t d);
-// a decode step's attention (one query position, q [H, D]) over n keys of a float16 cache, split evenly over
-// the threads (scores by keys, output sums by dimensions); false where d has no such path
+// the attention of t query positions (q [t, H, D]; position p attends to n + p keys) over a float16 cache,
+// split evenly over the threads (scores by keys, output sums by dimensions); false where d has no such path
 bool decode_split_half(const float* q, const at::Half* k, int64_t ks, int64_t khs, const at::Half* v, int64_t vs,
-                       int64_t vhs, int64_t n, int64_t h, int64_t hkv, int64_t d, float scale, float* out);
+                       int64_t vhs, int64_t n, int64_t t, int64_t h, int64_t hkv, int64_t d, float scale, float* out);
 #endif
 
 }  // namespace dflash_attention

@@ -289,82 +289,122 @@ DFLASH_AVX512 void tile_pairs(const float* const* q, const int64_t* n, int count
   softmax_values_avx512<dv>(n, count, nmax, v, vs, buf, stride, acc, kp, out);
 }
 
-// ---- A decode step over a long float16 cache, split evenly over the threads ----
+// ---- Few query positions over a long float16 cache, split evenly over the threads ----
 // Tiles of a kv head's queries leave threads idle where the kv heads do not divide among them (3 over 2:
-// one thread waits a third of the time). The same numbers, split otherwise: the scores by blocks of keys
-// (each score is its own sum), then the softmax per query, then the output sums by 16 dimensions at a time
-// (each dimension's chain over the keys, in key order, is its own). Every operation is tile_pairs's.
+// one thread waits a third of the time), and tiles of one position each read the kv head's keys and values
+// again for every position. The same numbers, split otherwise: the scores by blocks of keys (each score is
+// its own sum; every position's queries use a block of keys converted once), then the softmax per query,
+// then the output sums by 16 dimensions at a time (each dimension's chain over the keys, in key order, is
+// its own; up to 12 queries share each value vector converted). Every operation is tile_pairs's. Query
+// position p (of t) attends to its n + p keys.
 // tasks i0 .. i1 of the scores (task i: kv head i / blocks, keys of block i % blocks)
 template <int dv>
 DFLASH_AVX512 void split_scores(int64_t i0, int64_t i1, const float* q, const at::Half* k, int64_t ks, int64_t khs,
-                                int64_t n, int64_t group, float scale, float* scores, int64_t stride) {
+                                int64_t n, int64_t t, int64_t h, int64_t group, float scale, float* scores,
+                                int64_t stride) {
   constexpr int64_t d = 8 * dv;
-  const int64_t blocks = (n + KB - 1) / KB;
+  const int64_t nmax = n + t - 1, blocks = (nmax + KB - 1) / KB;
   alignas(64) float kp[8 * dv * KB];
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t i = i0; i < i1; i++) {
-    const int64_t g = i / blocks, jb = (i % blocks) * KB, m = std::min(KB, n - jb);
-    pair_keys<dv>(k + g * khs, ks, jb, m, kp);
-    for (int64_t hi = g * group; hi < (g + 1) * group; hi++) {
-      pair_scores<dv>(q + hi * d, kp, m, sc, scores + hi * stride + jb);
+    const int64_t g = i / blocks, jb = (i % blocks) * KB;
+    pair_keys<dv>(k + g * khs, ks, jb, std::min(KB, nmax - jb), kp);
+    for (int64_t p = 0; p < t; p++) {
+      if (jb >= n + p) continue;
+      const int64_t lim = std::min(KB, n + p - jb);
+      for (int64_t hi = g * group; hi < (g + 1) * group; hi++)
+        pair_scores<dv>(q + (p * h + hi) * d, kp, lim, sc, scores + (p * h + hi) * stride + jb);
     }
   }
 }
 
-// C queries' sums over n values (16 dimensions from vg, rows vs apart) of their softmax weights p (rows
-// `stride` apart), fma in key order per dimension, each over its z, into out (rows d apart)
-template <int C>
-DFLASH_AVX512 inline void values16(const at::Half* vg, int64_t vs, int64_t n, const float* p, int64_t stride,
-                                   const float* z, float* out, int64_t d) {
-  __m512 o[C];
-  for (int u = 0; u < C; u++) o[u] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j++) {
-    const __m512 vv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vg + j * vs)));
-    for (int u = 0; u < C; u++) o[u] = _mm512_fmadd_ps(_mm512_set1_ps(p[u * stride + j]), vv, o[u]);
+// C queries' sums over their n[u] values (16 NV dimensions from vg, rows vs apart: a 64-byte line of a float16
+// row for NV = 2) of their softmax weights p[u], fma in key order per dimension, each over its z[u], into out[u]
+template <int C, int NV>
+DFLASH_AVX512 inline void values16(const at::Half* vg, int64_t vs, const int64_t* n, const float* const* p,
+                                   const float* z, float* const* out) {
+  __m512 o[C][NV];
+  for (int u = 0; u < C; u++)
+    for (int e = 0; e < NV; e++) o[u][e] = _mm512_setzero_ps();
+  const int64_t lo = *std::min_element(n, n + C), hi = *std::max_element(n, n + C);
+  for (int64_t j = 0; j < hi; j++) {  // keys every query attends to, then the later positions' last few
+    __m512 vv[NV];
+    for (int e = 0; e < NV; e++)
+      vv[e] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vg + j * vs + 16 * e)));
+    for (int u = 0; u < C; u++) {
+      if (j >= lo && j >= n[u]) continue;
+      const __m512 pu = _mm512_set1_ps(p[u][j]);
+      for (int e = 0; e < NV; e++) o[u][e] = _mm512_fmadd_ps(pu, vv[e], o[u][e]);
+    }
   }
-  for (int u = 0; u < C; u++) _mm512_storeu_ps(out + u * d, _mm512_div_ps(o[u], _mm512_set1_ps(z[u])));
+  for (int u = 0; u < C; u++) {
+    const __m512 zu = _mm512_set1_ps(z[u]);
+    for (int e = 0; e < NV; e++) _mm512_storeu_ps(out[u] + 16 * e, _mm512_div_ps(o[u][e], zu));
+  }
 }
 
-// tasks i0 .. i1 of the output sums (task i: kv head i / w, dimensions 16 (i % w) ..), each query's over z
+// values16 for count (1 .. SPLIT_BATCH) queries
+constexpr int SPLIT_BATCH = 12;  // 12 queries' sums (24 vectors for NV = 2), the values and a weight in registers
+template <int NV>
+DFLASH_AVX512 void values_batch(const at::Half* vg, int64_t vs, int count, const int64_t* n, const float* const* p,
+                                const float* z, float* const* out) {
+  switch (count) {
+#define DFLASH_VALUES_CASE(C) \
+  case C: values16<C, NV>(vg, vs, n, p, z, out); break;
+    DFLASH_VALUES_CASE(1) DFLASH_VALUES_CASE(2) DFLASH_VALUES_CASE(3) DFLASH_VALUES_CASE(4)
+    DFLASH_VALUES_CASE(5) DFLASH_VALUES_CASE(6) DFLASH_VALUES_CASE(7) DFLASH_VALUES_CASE(8)
+    DFLASH_VALUES_CASE(9) DFLASH_VALUES_CASE(10) DFLASH_VALUES_CASE(11) DFLASH_VALUES_CASE(12)
+#undef DFLASH_VALUES_CASE
+  }
+}
+
+// tasks i0 .. i1 of the output sums (task i: kv head i / w, dimensions 16 NV (i % w) ..), each query's over z;
+// a kv head's queries (t positions x its group) go in batches that share each value vector converted. 32
+// dimensions per task where the head size allows: each 64-byte line of values is then read by one task only.
 template <int dv>
 DFLASH_AVX512 void split_values(int64_t i0, int64_t i1, const at::Half* v, int64_t vs, int64_t vhs, int64_t n,
-                                int64_t group, const float* scores, int64_t stride, const float* z, float* out) {
-  constexpr int64_t d = 8 * dv, w = dv / 2;
+                                int64_t t, int64_t h, int64_t group, const float* scores, int64_t stride,
+                                const float* z, float* out) {
+  constexpr int64_t d = 8 * dv;
+  constexpr int NV = dv % 4 == 0 ? 2 : 1;
+  constexpr int64_t w = d / (16 * NV);
   for (int64_t i = i0; i < i1; i++) {
-    const int64_t g = i / w, c = i % w;
-    const at::Half* vg = v + g * vhs + 16 * c;
-    for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 4) {  // up to 4 queries share each value loaded
-      float* o = out + h0 * d + 16 * c;
-      const float* p = scores + h0 * stride;
-      switch (std::min<int64_t>(4, (g + 1) * group - h0)) {
-        case 1: values16<1>(vg, vs, n, p, stride, z + h0, o, d); break;
-        case 2: values16<2>(vg, vs, n, p, stride, z + h0, o, d); break;
-        case 3: values16<3>(vg, vs, n, p, stride, z + h0, o, d); break;
-        default: values16<4>(vg, vs, n, p, stride, z + h0, o, d); break;
+    const int64_t g = i / w, c = (i % w) * 16 * NV;
+    const at::Half* vg = v + g * vhs + c;
+    int64_t ns[SPLIT_BATCH];
+    const float* ps[SPLIT_BATCH];
+    float zs[SPLIT_BATCH];
+    float* os[SPLIT_BATCH];
+    int count = 0;
+    for (int64_t p = 0; p < t; p++)
+      for (int64_t hi = g * group; hi < (g + 1) * group; hi++) {
+        const int64_t r = p * h + hi;
+        ns[count] = n + p, ps[count] = scores + r * stride, zs[count] = z[r], os[count] = out + r * d + c;
+        if (++count == SPLIT_BATCH) {
+          values_batch<NV>(vg, vs, count, ns, ps, zs, os);
+          count = 0;
+        }
       }
-    }
+    if (count) values_batch<NV>(vg, vs, count, ns, ps, zs, os);
   }
 }
 
-// A decode step over a long float16 cache, split evenly over the threads. Tiles of a kv head's queries
-// leave threads idle where the kv heads do not divide among them (3 over 2: one thread waits a third of
-// the time). The same numbers, split otherwise: the scores by blocks of keys (each score is its own sum),
-// the softmax per query, the output sums by 16 dimensions at a time (each dimension's chain over the keys,
-// in key order, is its own). Every operation is tile_pairs's.
+// t query positions (q [t, H, D]; position p attends to n + p keys) over a float16 cache, split evenly over
+// the threads
 template <int dv>
 void decode_split(const float* q, const at::Half* k, int64_t ks, int64_t khs, const at::Half* v, int64_t vs,
-                  int64_t vhs, int64_t n, int64_t h, int64_t hkv, float scale, float* out) {
-  const int64_t group = h / hkv, blocks = (n + KB - 1) / KB, stride = blocks * KB + 16;
-  std::vector<float> scores(h * stride), z(h);
+                  int64_t vhs, int64_t n, int64_t t, int64_t h, int64_t hkv, float scale, float* out) {
+  const int64_t group = h / hkv, blocks = (n + t - 1 + KB - 1) / KB, stride = blocks * KB + 16;
+  std::vector<float> scores(t * h * stride), z(t * h);
   float *sp = scores.data(), *zp = z.data();
   at::parallel_for(0, hkv * blocks, 1, [&](int64_t i0, int64_t i1) {
-    split_scores<dv>(i0, i1, q, k, ks, khs, n, group, scale, sp, stride);
+    split_scores<dv>(i0, i1, q, k, ks, khs, n, t, h, group, scale, sp, stride);
   });
-  at::parallel_for(0, h, 1, [&](int64_t h0, int64_t h1) {
-    for (int64_t hi = h0; hi < h1; hi++) zp[hi] = softmax_avx512(sp + hi * stride, n);
+  at::parallel_for(0, t * h, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) zp[r] = softmax_avx512(sp + r * stride, n + r / h);
   });
-  at::parallel_for(0, hkv * (dv / 2), 1, [&](int64_t i0, int64_t i1) {
-    split_values<dv>(i0, i1, v, vs, vhs, n, group, sp, stride, zp, out);
+  at::parallel_for(0, hkv * (dv % 4 == 0 ? dv / 4 : dv / 2), 1, [&](int64_t i0, int64_t i1) {
+    split_values<dv>(i0, i1, v, vs, vhs, n, t, h, group, sp, stride, zp, out);
   });
 }
 
@@ -379,8 +419,8 @@ template Tile<float> tile_avx512_for<float>(int64_t);
 template Tile<at::Half> tile_avx512_for<at::Half>(int64_t);
 
 bool decode_split_half(const float* q, const at::Half* k, int64_t ks, int64_t khs, const at::Half* v, int64_t vs,
-                       int64_t vhs, int64_t n, int64_t h, int64_t hkv, int64_t d, float scale, float* out) {
-  auto run = [&](auto fn) { fn(q, k, ks, khs, v, vs, vhs, n, h, hkv, scale, out); return true; };
+                       int64_t vhs, int64_t n, int64_t t, int64_t h, int64_t hkv, int64_t d, float scale, float* out) {
+  auto run = [&](auto fn) { fn(q, k, ks, khs, v, vs, vhs, n, t, h, hkv, scale, out); return true; };
   return d == 64 ? run(decode_split<8>) : d == 128 ? run(decode_split<16>) : d == 32 ? run(decode_split<4>)
        : d == 16 ? run(decode_split<2>) : d == 96 ? run(decode_split<12>) : false;
 }
