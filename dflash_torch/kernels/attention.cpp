@@ -267,9 +267,9 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   if constexpr (std::is_same_v<KV, at::Half>) {
     // A decode step or a verify pass of up to 8 rows from 512 keys on: split by keys and by dimensions
     // instead of by kv heads and positions, so that every thread has as much to do and each block of keys
-    // and values is read and widened once for all positions (the same bits: decode_split_half). In the
-    // default model at 1k-4k positions (AMD EPYC Zen 4, 2 threads, alternating in one process), verify passes
-    // of 2-8 rows took 0.73-0.93x the tiles' time (one 2-row outlier 1.23x), 16 rows 0.95-1.10x: those stay.
+    // and values is read and widened once for all positions (the same bits: decode_split_half).
+    // tools/probes/attention_ab.py against the tiles (AMD EPYC Zen 4, 2 threads, 30 caches cycled, 512-4k
+    // keys): 2 rows 0.79-0.97x, 4 rows 0.63-0.81x, 8 rows 0.72-0.91x; 16 rows gained nothing and stay tiles.
     if (tile != nullptr && isa == 2 && start + t >= 512 && t <= 8 &&
         decode_split_half(qp, kp, ks, khs, vp, vs, vhs, start + 1, t, h, hkv, d, (float)scale, op))
       return;

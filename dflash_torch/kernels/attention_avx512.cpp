@@ -327,12 +327,22 @@ DFLASH_AVX512 inline void values16(const at::Half* vg, int64_t vs, const int64_t
   for (int u = 0; u < C; u++)
     for (int e = 0; e < NV; e++) o[u][e] = _mm512_setzero_ps();
   const int64_t lo = *std::min_element(n, n + C), hi = *std::max_element(n, n + C);
-  for (int64_t j = 0; j < hi; j++) {  // keys every query attends to, then the later positions' last few
+  int64_t j = 0;
+  for (; j < lo; j++) {  // keys every query attends to
     __m512 vv[NV];
     for (int e = 0; e < NV; e++)
       vv[e] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vg + j * vs + 16 * e)));
     for (int u = 0; u < C; u++) {
-      if (j >= lo && j >= n[u]) continue;
+      const __m512 pu = _mm512_set1_ps(p[u][j]);
+      for (int e = 0; e < NV; e++) o[u][e] = _mm512_fmadd_ps(pu, vv[e], o[u][e]);
+    }
+  }
+  for (; j < hi; j++) {  // the later positions' last few
+    __m512 vv[NV];
+    for (int e = 0; e < NV; e++)
+      vv[e] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vg + j * vs + 16 * e)));
+    for (int u = 0; u < C; u++) {
+      if (j >= n[u]) continue;
       const __m512 pu = _mm512_set1_ps(p[u][j]);
       for (int e = 0; e < NV; e++) o[u][e] = _mm512_fmadd_ps(pu, vv[e], o[u][e]);
     }
