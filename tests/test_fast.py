@@ -680,3 +680,77 @@ def test_draft_window_from_the_drafter_config(pair, tmp_path):
     pipe = load(str(path), str(d), device="cpu", dtype="float32", quiet=True, draft_window=16, draft_sinks=2)
     assert pipe.drafter.window == (2, 16)
 
+
+
+class _Position:
+    """The two Stats fields the adaptive width reads: where a generation is."""
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens, self.generated_tokens = prompt_tokens, 0
+
+
+def _simulate(a: AdaptiveBlockSize, stats: _Position, cycles: int, cost, accept: float, seed: int = 0) -> list[int]:
+    """Cycles of a drafter whose drafts are each kept with probability `accept` (in a chain), timed by
+    cost(width, position): the widths chosen."""
+    import random
+
+    rng, chosen = random.Random(seed), []
+    for _ in range(cycles):
+        b = a.block_size(stats)
+        kept = 0
+        while kept < b - 1 and rng.random() < accept:
+            kept += 1
+        a.observe(b, kept + 1, cost(b, stats.prompt_tokens + stats.generated_tokens))
+        stats.generated_tokens += kept + 1
+        chosen.append(b)
+    return chosen
+
+
+def test_adaptive_width_learns_what_a_long_context_adds():
+    """Costs calibrated after 64 positions favour wide blocks; after a 6,000-token prompt every verify row
+    attends to 6,000 keys and the wide passes cost far more. The adaptive width first measures a plain
+    step there, learns each width's growth from the cycles it runs, and gets near the best rate at that
+    context (the calibration's choice gets far less); near the calibration's context nothing changes."""
+    base = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.5}
+    accept = 0.9  # each draft kept with this probability, in a chain
+
+    def cost(b, n):  # interpolated base; a plain step's attention grows 2e-3 per position, each more row 0.4 of it
+        lo, hi = max(k for k in base if k <= b), min(k for k in base if k >= b)
+        at = base[lo] if lo == hi else base[lo] + (base[hi] - base[lo]) * (b - lo) / (hi - lo)
+        return at + 2e-3 * (1 + 0.4 * (b - 1)) * max(0, n - 64)
+
+    def rate(b, n):  # expected tokens per second of width b at position n
+        return sum(accept**k for k in range(b)) / cost(b, n)
+
+    best = {n: max(range(1, 17), key=lambda b: rate(b, n)) for n in (64, 6000)}
+    assert best[64] == 16 and best[6000] < 8  # the trade-off the test is about
+    assert rate(16, 6000) < 0.8 * rate(best[6000], 6000)  # the calibration's choice there
+    a = AdaptiveBlockSize(dict(base), 16)
+    stats = _Position(6000)
+    chosen = _simulate(a, stats, 300, cost, accept)
+    assert chosen[0] == 1  # nothing learnt that far out: a plain step first
+    assert 1 in a.slopes and abs(a.slopes[1] - 2e-3) < 1e-4
+    got = sum(rate(b, 6000) for b in chosen[-100:]) / 100
+    assert got > 0.9 * rate(best[6000], 6000), (chosen[-100:], best[6000])
+    for b, s in a.slopes.items():  # the growth of every width it ran, as the costs had it (the context grew)
+        assert abs(s - 2e-3 * (1 + 0.4 * (b - 1))) < 0.1 * 2e-3 * (1 + 0.4 * (b - 1)), (b, s)
+    assert a.costs == base  # the calibration's context keeps its costs
+    # the same controller back near the calibration's context: its costs hold there, wide blocks again
+    assert _simulate(a, _Position(10), 1, cost, accept) == [16]
+
+
+def test_adaptive_width_does_not_time_a_generations_first_drafter_cycle():
+    """The first drafter cycle of a generation also feeds the drafter the whole prompt: its time is not a
+    cycle's cost (the same holds far out, where it would teach a growth)."""
+    base = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8, 16: 3.0}
+    for prompt in (10, 5000):
+        a = AdaptiveBlockSize(dict(base), 16)
+        a.slopes = {1: 1e-4}  # something learnt: no plain step first
+        stats = _Position(prompt)
+        b = a.block_size(stats)
+        assert b > 1
+        a.observe(b, 1, 100.0)  # the one-off
+        assert a.costs == base and a.slopes == {1: 1e-4}
+        b = a.block_size(stats)
+        a.observe(b, 1, 1.5 * base[b] + 1e-4 * max(0, prompt - 64) * b)  # the next one is timed
+        assert (a.costs != base, a.slopes != {1: 1e-4}) == ((True, False) if prompt < 64 + 512 else (False, True))

@@ -3,7 +3,14 @@
 A block of b positions commits E(b) = 1 + r_1 + ... + r_{b-1} tokens on average, where r_k is the
 probability that the first k drafted tokens are all accepted (the running per-position acceptance).
 It costs t(b) = draft + verify seconds, measured per block size (a calibration at start, then a
-moving average of the cycles actually run). The best block size maximises E(b) / t(b); b = 1 is a
+moving average of the cycles actually run), plus what the context adds: every verify row attends to
+every cached position, so after a long prompt a wide pass costs more decode steps than after a short
+one. That growth is learnt per block size from the cycles run far past the calibration's context
+(seconds per position beyond it); a width not run there yet is priced from the ones that were, half a
+plain step's growth per extra row, which on the CPUs measured overestimates it (docs/performance.md,
+"AMD EPYC Zen 4"), so a guess errs towards narrow passes. The first cycle that far out, with nothing
+learnt yet, is a plain step, so the prices start from a measurement. The best block size maximises
+E(b) / t(b); b = 1 is a
 plain target step (E = 1), so a drafter that stops paying is dropped the same way. Now and then the
 full block is tried again so the acceptance of the far positions stays current: every `probe_every`
 cycles at most, and no more often than keeps what those tries lose against the best width within
@@ -20,20 +27,30 @@ import torch
 
 from .. import kernels
 
+# Positions past the calibration's context from which a cycle's time teaches the growth with the context
+# (nearer, it updates the costs at the calibration's context): far enough that the growth stands out of
+# the noise of a cycle's time.
+GROWTH_SPAN = 512
+
 
 class AdaptiveBlockSize:
     """`controller` for `speculative.generate_tokens`.
 
-    costs: {block size: seconds per cycle} to start from (see `calibrate`); max_block: the drafter's
-    block size; decay: weight kept by old acceptance counts each cycle; probe_every: the fewest cycles
-    between full-block probes; probe_budget: the share of time that probes may lose against the best
-    width. One instance may serve many generations in turn (a server's requests): what it learned,
-    and when its next probe is due, carry over.
+    costs: {block size: seconds per cycle} to start from (see `calibrate`), measured after `context`
+    positions; max_block: the drafter's block size; decay: weight kept by old acceptance counts each
+    cycle; probe_every: the fewest cycles between full-block probes; probe_budget: the share of time that
+    probes may lose against the best width. One instance may serve many generations in turn (a server's
+    requests): what it learned (the growth with the context included), and when its next probe is due,
+    carry over.
     """
 
     def __init__(self, costs: dict[int, float], max_block: int, decay: float = 0.97, probe_every: int = 16,
-                 probe_budget: float = 0.05) -> None:
-        self.costs = {b: t for b, t in costs.items() if 1 <= b <= max_block}
+                 probe_budget: float = 0.05, context: int = 64) -> None:
+        self.costs = {b: t for b, t in costs.items() if 1 <= b <= max_block}  # at `context` positions
+        self.context = context  # where `costs` hold (calibrate's context)
+        self.slopes: dict[int, float] = {}  # block size -> seconds per position past `context`, learnt
+        self.position = context  # the cache's length at the cycle being chosen (set by block_size)
+        self._stats, self._first = None, False  # the generation being run; its first drafter cycle not yet seen
         if 1 not in self.costs or max_block not in self.costs:
             raise ValueError("costs must include block size 1 and the drafter's block size")
         self.max_block, self.decay, self.probe_every, self.probe_budget = max_block, decay, probe_every, probe_budget
@@ -52,13 +69,36 @@ class AdaptiveBlockSize:
             total += r
         return total
 
-    def cost(self, b: int) -> float:
-        """t(b), interpolated linearly between measured block sizes."""
+    def base(self, b: int) -> float:
+        """t(b) at the calibration's context, interpolated linearly between measured block sizes."""
         if b in self.costs:
             return self.costs[b]
         lo = max(k for k in self.costs if k < b)
         hi = min(k for k in self.costs if k > b)
         return self.costs[lo] + (self.costs[hi] - self.costs[lo]) * (b - lo) / (hi - lo)
+
+    def slope(self, b: int) -> float:
+        """Seconds per position past the calibration's context that a cycle of width b adds: as learnt for
+        b; else interpolated between the widths learnt around it; past the widest (or with only narrower
+        ones), half the plain step's growth more per extra row. 0 while nothing is learnt."""
+        s = self.slopes
+        if b in s:
+            return s[b]
+        if not s:
+            return 0.0
+        lower, upper = [k for k in s if k < b], [k for k in s if k > b]
+        if lower and upper:
+            lo, hi = max(lower), min(upper)
+            return s[lo] + (s[hi] - s[lo]) * (b - lo) / (hi - lo)
+        if lower:
+            lo = max(lower)
+            return s[lo] + 0.5 * s.get(1, s[lo] / (1 + 0.5 * (lo - 1))) * (b - lo)
+        hi = min(upper)  # only wider widths learnt: scaled down as the rows go
+        return s[hi] * (1 + 0.5 * (b - 1)) / (1 + 0.5 * (hi - 1))
+
+    def cost(self, b: int) -> float:
+        """t(b) at the current position."""
+        return self.base(b) + self.slope(b) * max(0, self.position - self.context)
 
     def best(self) -> int:
         return max(range(1, self.max_block + 1), key=lambda b: self.expected_tokens(b) / self.cost(b))
@@ -71,8 +111,13 @@ class AdaptiveBlockSize:
         return max(self.probe_every, lost / (self.probe_budget * self.cost(best)))
 
     def block_size(self, stats) -> int:
-        """Block size for the next cycle."""
+        """Block size for the next cycle (stats: the generation's `Stats`, for its position; None: the
+        calibration's context)."""
         self.cycles += 1
+        self.locate(stats)
+        if not self.slopes and self.position - self.context >= GROWTH_SPAN:
+            self.history.append(1)  # far past the calibration with no growth learnt: measure a plain step
+            return 1
         b = self.best()
         if b != self.max_block and self.cycles - self._last_probe >= self.probe_gap(b):
             b = self.max_block
@@ -81,8 +126,15 @@ class AdaptiveBlockSize:
         self.history.append(b)
         return b
 
+    def locate(self, stats) -> None:
+        """Where the next cycle runs: the generation's position (None: the calibration's context)."""
+        self.position = self.context if stats is None else stats.prompt_tokens + stats.generated_tokens
+        if stats is not None and stats is not self._stats:  # a new generation: its first drafter cycle also
+            self._stats, self._first = stats, True  # feeds the drafter the prompt (a one-off, not timed)
+
     def observe(self, block_size: int, committed: int, seconds: float) -> None:
-        """Update acceptance per position and the cost of this block size."""
+        """Update acceptance per position and the cost of this block size (or its growth with the
+        context, far past the calibration's)."""
         if block_size > 1:
             kept = min(committed - 1, block_size - 1)
             for k in range(self.max_block):
@@ -91,6 +143,16 @@ class AdaptiveBlockSize:
             for k in range(block_size - 1):
                 self.drafted[k] += 1
                 self.accepted[k] += k < kept
+        if block_size > 1 and self._first:
+            self._first = False
+            return
+        far = self.position - self.context
+        if far >= GROWTH_SPAN:  # what the context adds to this width, per position
+            slope = max(0.0, seconds - self.base(block_size)) / far
+            old = self.slopes.get(block_size)
+            self.slopes[block_size] = slope if old is None else 0.8 * old + 0.2 * slope
+            return
+        seconds -= self.slope(block_size) * max(0, far)  # near the calibration's context: the base cost
         old = self.costs.get(block_size)
         self.costs[block_size] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
@@ -110,7 +172,10 @@ class WithFallback:
         self.fallback, self.adaptive = fallback, adaptive
 
     def block_size(self, stats) -> int:
-        return 1 if self.fallback.block_size(stats) == 1 else self.adaptive.block_size(stats)
+        if self.fallback.block_size(stats) == 1:
+            self.adaptive.locate(stats)  # its plain steps still teach the adaptive width their cost there
+            return 1
+        return self.adaptive.block_size(stats)
 
     def observe(self, block_size: int, committed: int, seconds: float) -> None:
         self.fallback.observe(block_size, committed, seconds)
