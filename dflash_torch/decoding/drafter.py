@@ -458,12 +458,15 @@ class DFlashDrafter(nn.Module):
         """The drafter's hidden states [B, bs, H] after the final norm for block [B, bs] (see `propose`);
         the new context goes into the cache."""
         dev = block.device
+        chunks = list(ctx) if isinstance(ctx, (list, tuple)) else [ctx]  # ctx, or its parts in order
         base = cache.length + cache.dropped  # position of ctx's first row
-        start = base + ctx.shape[1]  # position of the block's first token
+        start = base + sum(c.shape[1] for c in chunks)  # position of the block's first token
         q_pos = torch.arange(start, start + block.shape[1], device=dev)
         ctx_pos = torch.arange(base, start, device=dev)
         if self.window is not None:
-            ctx, ctx_pos = self._slide(ctx, ctx_pos, cache)
+            ctx, ctx_pos = self._slide(chunks, ctx_pos, cache)
+        else:
+            ctx = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
         emb = target.embed_tokens(block)
         if self.input_scale != 1.0:
             emb = emb * self.input_scale
@@ -480,17 +483,22 @@ class DFlashDrafter(nn.Module):
             cache.length += ctx.shape[1]
         return hidden
 
-    def _slide(self, ctx: torch.Tensor, ctx_pos: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keep the drafter's context to the sinks and the window: new rows that would fall out of it at once
-        are not taken in, and once the cache holds WINDOW_SLACK positions more than it needs, the recent
-        positions move down next to the sinks (their keys keep the rotation of their own positions)."""
+    def _slide(self, chunks: list[torch.Tensor], ctx_pos: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+        """Keep the drafter's context to the sinks and the window: new rows (ctx_pos, given in `chunks` of
+        [B, t, F] in order) that would fall out of it at once are not taken in, nor copied (after a long
+        prompt they are most of its features), and once the cache holds WINDOW_SLACK positions more than it
+        needs, the recent positions move down next to the sinks (their keys keep their own positions'
+        rotation)."""
         sinks, size = self.window
-        tc = ctx.shape[1]
+        tc = ctx_pos.shape[0]
         need = max(0, sinks - cache.length)  # new rows that become sinks
         if tc > need + size:
-            keep = torch.cat([torch.arange(need), torch.arange(tc - size, tc)]).to(ctx.device)
-            ctx, ctx_pos = ctx[:, keep], ctx_pos[keep]
+            ctx = _rows(chunks, [(0, need), (tc - size, tc)])
+            ctx_pos = torch.cat([ctx_pos[:need], ctx_pos[tc - size:]])
             cache.dropped += tc - need - size
+        else:
+            ctx = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
         n, old = ctx.shape[1], cache.length - sinks  # old: cached positions past the sinks
         if old > 0 and cache.length + n > sinks + size + WINDOW_SLACK:
             stay = min(old, max(0, size - n))  # old positions still inside the window after the new rows
@@ -634,3 +642,17 @@ def load_drafter(
 def num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
+
+def _rows(chunks: list[torch.Tensor], spans: list[tuple[int, int]]) -> torch.Tensor:
+    """Rows [a, b) for each span, in order, of the concatenation of chunks [B, t_i, F] along dim 1, without
+    building the concatenation."""
+    parts, at = [], 0
+    for c in chunks:
+        n = c.shape[1]
+        for a, b in spans:
+            lo, hi = max(a, at), min(b, at + n)
+            if lo < hi:
+                parts.append((a, c[:, lo - at : hi - at]))
+        at += n
+    parts.sort(key=lambda p: p[0])  # stable: within a span, the chunks' order
+    return torch.cat([p for _, p in parts], dim=1)

@@ -153,7 +153,10 @@ class DrafterProposer:
             return None
         block = torch.full((1, bs), self.drafter.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = token
-        ctx = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending, dim=1)  # [1, Tc, n_taps * H]
+        # [1, Tc, n_taps * H]; a windowed drafter takes the parts as they are and copies only the rows it keeps
+        # (after a long prompt and a few plain steps, joining them first copied the whole prompt's features)
+        ctx = (self.pending[0] if len(self.pending) == 1 else list(self.pending)
+               if getattr(self.drafter, "window", None) is not None else torch.cat(self.pending, dim=1))
         select = getattr(self.drafter, "select", None)  # a drafter that picks its own tokens (DFlash2)
         vocab = getattr(self.drafter, "draft_vocab", None)
         if (vocab is not None and self.sampler.greedy and self.history is None and self.constraint is None
