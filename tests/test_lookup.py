@@ -180,3 +180,16 @@ def test_lookup_costs_carry_over_between_generations(llama_and_drafter):
     known = {1: 1e-3} | {w: 1e3 for w in range(2, 17)}  # drafts priced out: every cycle is a plain step
     out, s = _run(target, prompt, 30, lookup=True, lookup_costs=known)
     assert out == want and s.lookup_cycles == 0 and known[2] == 1e3
+
+
+def test_untried_widths_are_priced_from_the_measured_ones_around_them():
+    """An untried width costs what the measured widths around it say (interpolated; past the widest, at
+    the last two's cost per row), not as much as the nearest one: a 9-wide pass is not a 3-wide one."""
+    lk = PromptLookup([1, 2, 3])
+    assert lk.cost(9) == 1.0  # nothing measured: all alike, so the first match is tried
+    lk.observe_cost(1, 1.0)
+    assert lk.cost(9) == 1.0  # one width: nothing to say how the cost grows
+    lk.observe_cost(3, 1.4)
+    assert abs(lk.cost(9) - (1.4 + 0.2 * 6)) < 1e-12 and lk.cost(2) == 1.2
+    lk.observe_cost(16, 6.0)
+    assert abs(lk.cost(9) - (1.4 + 4.6 * 6 / 13)) < 1e-12 and lk.cost(3) == 1.4

@@ -84,13 +84,26 @@ class PromptLookup:
         return total
 
     def cost(self, width: int) -> float:
-        """Seconds of a verify pass of `width` positions: measured, else the nearest measured width
-        (ties to the narrower), so an untried width is tried once and then known."""
-        if width in self.costs:
-            return self.costs[width]
-        if not self.costs:
+        """Seconds of a verify pass of `width` positions: measured; else interpolated between the measured
+        widths around it, or past the widest one at the last two's cost per row (never cheaper than the
+        widest), so an untried width is tried once and then known. (Taking the nearest measured width
+        instead priced a 9-wide pass as a 3-wide one after a long prompt, where it cost 2.5 times as much:
+        docs/performance.md, "Adaptive block size by default".)"""
+        c = self.costs
+        if width in c:
+            return c[width]
+        if not c:
             return 1.0
-        return self.costs[min(self.costs, key=lambda w: (abs(w - width), w))]
+        lower, upper = [w for w in c if w < width], [w for w in c if w > width]
+        if lower and upper:
+            lo, hi = max(lower), min(upper)
+            return c[lo] + (c[hi] - c[lo]) * (width - lo) / (hi - lo)
+        if upper:
+            return c[min(upper)]
+        lo = max(lower)
+        below = [w for w in lower if w < lo]
+        per_row = max(0.0, (c[lo] - c[max(below)]) / (lo - max(below))) if below else 0.0
+        return c[lo] + per_row * (width - lo)
 
     def draft_length(self, available: int) -> int:
         """How many of `available` matched tokens to draft: the verify width with the most expected
