@@ -7,15 +7,14 @@ moving average of the cycles actually run), plus what the context adds: every ve
 every cached position, so after a long prompt a wide pass costs more decode steps than after a short
 one. That growth is learnt per block size from the cycles run far past the calibration's context
 (seconds per position beyond it); a width not run there yet is priced from the ones that were, half a
-plain step's growth per extra row, which on the CPUs measured overestimates it (docs/performance.md,
-"AMD EPYC Zen 4"), so a guess errs towards narrow passes. The first cycle that far out, with nothing
-learnt yet, is a plain step, so the prices start from a measurement. The best block size maximises
-E(b) / t(b); b = 1 is a
-plain target step (E = 1), so a drafter that stops paying is dropped the same way. Now and then the
-full block is tried again so the acceptance of the far positions stays current: every `probe_every`
-cycles at most, and no more often than keeps what those tries lose against the best width within
-`probe_budget` of the time (where a wide verify costs several plain steps, as on a CPU, that is
-rarely).
+plain step's growth per extra row, more than the attention kernels added on the AMD EPYC Zen 4 measured
+(docs/performance.md, "AMD EPYC Zen 4"), so a guess errs towards narrow passes. The first cycle that
+far out, with nothing learnt yet, is a plain step, so the prices start from a measurement. The best
+block size maximises E(b) / t(b); b = 1 is a plain target step (E = 1), so a drafter that stops paying
+is dropped the same way. Now and then the full block is tried again so the acceptance of the far
+positions stays current: every `probe_every` cycles at most, and no more often than keeps what those
+tries lose against the best width within `probe_budget` of the time (where a wide verify costs several
+plain steps, as on a CPU, that is rarely).
 Output never depends on this choice: every token is the target's.
 """
 
@@ -26,6 +25,7 @@ import time
 import torch
 
 from .. import kernels
+from .lookup import between
 
 # Positions past the calibration's context from which a cycle's time teaches the growth with the context
 # (nearer, it updates the costs at the calibration's context): far enough that the growth stands out of
@@ -78,29 +78,22 @@ class AdaptiveBlockSize:
 
     def base(self, b: int) -> float:
         """t(b) at the calibration's context, interpolated linearly between measured block sizes."""
-        if b in self.costs:
-            return self.costs[b]
-        lo = max(k for k in self.costs if k < b)
-        hi = min(k for k in self.costs if k > b)
-        return self.costs[lo] + (self.costs[hi] - self.costs[lo]) * (b - lo) / (hi - lo)
+        return between(self.costs, b)  # 1 and the drafter's block size are always measured
 
     def slope(self, b: int) -> float:
         """Seconds per position past the calibration's context that a cycle of width b adds: as learnt for
         b; else interpolated between the widths learnt around it; past the widest (or with only narrower
         ones), half the plain step's growth more per extra row. 0 while nothing is learnt."""
         s = self.slopes
-        if b in s:
-            return s[b]
         if not s:
             return 0.0
-        lower, upper = [k for k in s if k < b], [k for k in s if k > b]
-        if lower and upper:
-            lo, hi = max(lower), min(upper)
-            return s[lo] + (s[hi] - s[lo]) * (b - lo) / (hi - lo)
-        if lower:
-            lo = max(lower)
+        at = between(s, b)
+        if at is not None:
+            return at
+        if b > max(s):
+            lo = max(s)
             return s[lo] + 0.5 * s.get(1, s[lo] / (1 + 0.5 * (lo - 1))) * (b - lo)
-        hi = min(upper)  # only wider widths learnt: scaled down as the rows go
+        hi = min(s)  # only wider widths learnt: scaled down as the rows go
         return s[hi] * (1 + 0.5 * (b - 1)) / (1 + 0.5 * (hi - 1))
 
     def cost(self, b: int) -> float:

@@ -90,18 +90,15 @@ class PromptLookup:
         instead priced a 9-wide pass as a 3-wide one after a long prompt, where it cost 2.5 times as much:
         docs/performance.md, "Adaptive block size by default".)"""
         c = self.costs
-        if width in c:
-            return c[width]
         if not c:
             return 1.0
-        lower, upper = [w for w in c if w < width], [w for w in c if w > width]
-        if lower and upper:
-            lo, hi = max(lower), min(upper)
-            return c[lo] + (c[hi] - c[lo]) * (width - lo) / (hi - lo)
-        if upper:
-            return c[min(upper)]
-        lo = max(lower)
-        below = [w for w in lower if w < lo]
+        at = between(c, width)
+        if at is not None:
+            return at
+        if width < min(c):
+            return c[min(c)]
+        lo = max(c)
+        below = [w for w in c if w < lo]
         per_row = max(0.0, (c[lo] - c[max(below)]) / (lo - max(below))) if below else 0.0
         return c[lo] + per_row * (width - lo)
 
@@ -127,3 +124,15 @@ class PromptLookup:
         """Seconds of one verify pass of `width` positions (plain steps are width 1)."""
         old = self.costs.get(width)
         self.costs[width] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+
+def between(table: dict[int, float], x: int) -> float | None:
+    """table[x], else linear between the keys around x; None where x lies outside the keys (the caller's
+    extrapolation). For costs and growths per verify width (here and in adaptive.py)."""
+    if x in table:
+        return table[x]
+    lower, upper = [k for k in table if k < x], [k for k in table if k > x]
+    if not (lower and upper):
+        return None
+    lo, hi = max(lower), min(upper)
+    return table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
