@@ -505,6 +505,10 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
   const bool wide = amx || isa == VNNI;
   const int64_t units = wide ? (groups + 1) / 2 : groups;
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  // Fewer rows than threads (a decode step's one): the calling thread quantizes them before the fork, and
+  // the region has no barrier inside (the others would only wait at it; ~1% of a decode step).
+  const bool before = m < threads;
+  if (before) quantize(0, m);
 #pragma omp parallel num_threads(threads)
   {
     const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
@@ -512,9 +516,11 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
       const int64_t per = (total + nth - 1) / nth, begin = std::min(total, tid * per);
       return std::make_pair(begin, std::min(total, begin + per));
     };
-    const auto [r0, r1] = share(m);
-    quantize(r0, r1);
+    if (!before) {
+      const auto [r0, r1] = share(m);
+      quantize(r0, r1);
 #pragma omp barrier
+    }
     const auto [u0, u1] = share(units);
     if (wide) {
 #ifdef DFLASH_X86
