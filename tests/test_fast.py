@@ -585,7 +585,10 @@ def test_flat_draft_pass_equals_module_path(pair, quant, tmp_path, monkeypatch):
         assert isinstance(drafter._plan[True, False], torch.jit.ScriptModule)  # the scripted draft pass ran
         assert isinstance(drafter._plan[False, False], FlatDraft)  # and the flat one in Python
         if quant in ("q4_0", "q8_0"):
-            assert isinstance(drafter._plan[True, True], NativeDraft)
+            native = drafter._plan[True, True]
+            assert isinstance(native, NativeDraft)
+            assert len(native.packed) == 4 * len(drafter.layers)  # q/k/v as one matmul per layer
+            assert drafter.ctx_kv_blocks is not None  # the context k/v on the block kernels, in every path
         (want, c1), *others = runs
         for got, c2 in others:
             assert all(torch.equal(a, b) for a, b in zip(want, got))

@@ -179,7 +179,9 @@ class FlatDraft(nn.Module):
         self.kernel = bool(d.norm.kernel)  # kernels/norm.cpp for every norm (drafter_blocks sets them together)
         self.fc = flat.linear_spec(d.fc)
         self.hidden_norm, self.final_norm = flat.norm_weight(d.hidden_norm), flat.norm_weight(d.norm)
-        self.ctx_kv_weight, self.ctx_kv_bias, self.skinny = d.ctx_kv_weight, d.ctx_kv_bias, d.skinny
+        # the context k/v matmul as DFlashDrafter.context_kv runs it
+        self.ctx_kv = (flat.linear_spec(d.ctx_kv_blocks) if d.ctx_kv_blocks is not None
+                       else (flat.LINEAR, d.ctx_kv_weight, torch.empty(0), d.ctx_kv_bias, d.skinny))
         self.fused_mlp = m0.gate_up_proj is not None
         norms, qk_norms, lins = [], [], []
         for layer in d.layers:
@@ -206,8 +208,7 @@ class FlatDraft(nn.Module):
         t, tc, h, hkv, dh, eps, n = x.shape[0], ctx.shape[0], self.h, self.hkv, self.dh, self.eps, self.per_layer
         kn = self.kernel
         c = flat.norm(flat.linear(ctx, self.fc), self.hidden_norm, eps, kn)  # [Tc, H]
-        kv = linear(c, self.ctx_kv_weight, self.ctx_kv_bias, self.skinny)
-        kv = kv.chunk(2 * keys.shape[0], dim=-1)  # k, v per layer
+        kv = flat.linear(c, self.ctx_kv).chunk(2 * keys.shape[0], dim=-1)  # k, v per layer
         q_signed, c_signed = flat.signed(q_sin), flat.signed(c_sin)
         end = start + tc + t
         for i in range(keys.shape[0]):
@@ -242,9 +243,27 @@ class NativeDraft:
         n = d.per_layer
         self.norms = [w for i in range(len(d.lins) // n) for w in (d.norms[2 * i], d.norms[2 * i + 1],
                                                                    d.qk_norms[2 * i], d.qk_norms[2 * i + 1])]
-        self.packed = [spec[1] for spec in d.lins]
-        self.codes = [spec[4] for spec in d.lins]  # 8 * out_features + format
-        self.biases = [spec[3] for spec in d.lins]
+        # q/k/v as one matmul in every layer where they all can be (same bits, two calls fewer per layer)
+        fused = [self._fused_qkv(d.lins[i : i + 3]) for i in range(0, len(d.lins), n)]
+        specs = d.lins if any(len(f) != 1 for f in fused) else [
+            spec for i, f in zip(range(0, len(d.lins), n), fused) for spec in f + d.lins[i + 3 : i + n]]
+        self.packed = [spec[1] for spec in specs]
+        self.codes = [spec[4] for spec in specs]  # 8 * out_features + format
+        self.biases = [spec[3] for spec in specs]
+
+    @staticmethod
+    def _fused_qkv(qkv: list) -> list:
+        # [q, k, v] as one BLOCK spec, where all are in one format with no bias and whole column groups: the
+        # packed layout is group after group (kernels/pack.py), so the stack is their buffers end to end; the
+        # kernel computes each output column alike, so the bits are the three calls'. Else as given.
+        from ..kernels import pack
+
+        sizes = [spec[4] // 8 for spec in qkv]
+        if (any(spec[3] is not None for spec in qkv) or len({spec[4] % 8 for spec in qkv}) != 1
+                or any(size % pack.GROUP for size in sizes)):
+            return qkv
+        return [(flat.BLOCK, torch.cat([spec[1] for spec in qkv]), torch.empty(0), None,
+                 8 * sum(sizes) + qkv[0][4] % 8)]
 
     @staticmethod
     def applies(d: FlatDraft) -> bool:
@@ -260,7 +279,7 @@ class NativeDraft:
         if x.dtype != torch.float32 or q_cos.shape[-1] != d.dh:  # (partial rotary: FlatDraft's own path)
             return d(x, ctx, q_cos, q_sin, c_cos, c_sin, start, keys, values)
         c = flat.norm(flat.linear(ctx, d.fc), d.hidden_norm, d.eps, True)  # [Tc, H]
-        kv = linear(c, d.ctx_kv_weight, d.ctx_kv_bias, d.skinny)  # [Tc, 2 L Hkv D]
+        kv = flat.linear(c, d.ctx_kv)  # [Tc, 2 L Hkv D]
         return torch.ops.dflash.draft_stack(x, kv, q_cos, flat.signed(q_sin), c_cos, flat.signed(c_sin), start,
                                             keys, values, self.norms, self.packed, self.codes, self.biases,
                                             d.final_norm, d.eps, d.h, d.hkv, d.dh, d.scale, d.act)
@@ -268,7 +287,7 @@ class NativeDraft:
 
 # For TorchScript (this file's annotations are strings; lists and Optionals need their types).
 FlatDraft.__annotations__ = {"lins": list[flat.LinearSpec], "norms": list[torch.Tensor],
-                             "qk_norms": list[torch.Tensor], "ctx_kv_bias": torch.Tensor | None}
+                             "qk_norms": list[torch.Tensor], "ctx_kv": flat.LinearSpec}
 
 
 class DFlashDrafter(nn.Module):
@@ -300,6 +319,7 @@ class DFlashDrafter(nn.Module):
         # every layer's context k/v projections stacked (fuse_context_kv); not saved with the weights
         self.register_buffer("ctx_kv_weight", None, persistent=False)
         self.register_buffer("ctx_kv_bias", None, persistent=False)
+        self.ctx_kv_blocks: nn.Module | None = None  # the same projections in their blocks, where they have them
         self.skinny = layers.SKINNY_ROWS  # the stacked context k/v matmul's (layers.linear)
         # the tokens it may propose (draft_vocab.json), ascending; None: the whole vocabulary
         self.register_buffer("draft_vocab", None, persistent=False)
@@ -325,8 +345,23 @@ class DFlashDrafter(nn.Module):
         # (quantized layers read back their dequantized weights: the context's k/v match the block's)
         self.ctx_kv_weight = torch.cat([p.weight.detach().to(self.dtype) for p in parts])  # [L * 2 * Hkv * D, H]
         self.ctx_kv_bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+        # Block-format projections: their blocks stacked as they are, on the block kernels like the block's own
+        # k/v (a quarter of the float copy's bytes; the float matmul was most of a few-row draft pass's context)
+        object.__setattr__(self, "ctx_kv_blocks", None)
+        fmts = {getattr(p, "fmt", None) for p in parts}
+        if all(isinstance(p, quantize.BlockLinear) for p in parts) and len(fmts) == 1:
+            bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+            blocks = quantize.BlockLinear(None, fmts.pop(), torch.cat([p.raw() for p in parts]), bias)
+            object.__setattr__(self, "ctx_kv_blocks", blocks)  # not a submodule: never saved, like ctx_kv_weight
         self._plan = None
         return self
+
+    def context_kv(self, ctx: torch.Tensor) -> torch.Tensor:
+        """Every layer's context keys and values [..., L * 2 * Hkv * D] of fused context features ctx
+        [..., H] (after `fuse_context_kv`): k, v of layer 0, k, v of layer 1, ..."""
+        if self.ctx_kv_blocks is not None:
+            return self.ctx_kv_blocks(ctx).to(ctx.dtype)
+        return linear(ctx, self.ctx_kv_weight, self.ctx_kv_bias, self.skinny)
 
     def _apply(self, fn, recurse=True):
         self._plan = self._head = None  # .to() / .half() may replace tensors the flat plan holds
@@ -380,7 +415,7 @@ class DFlashDrafter(nn.Module):
             k_pos = torch.cat([ctx_pos, q_pos])
         ctx_kv = [None] * len(self.layers)
         if self.ctx_kv_weight is not None:
-            kv = linear(ctx, self.ctx_kv_weight, self.ctx_kv_bias, self.skinny)  # [B, Tc, L * 2 * Hkv * D]
+            kv = self.context_kv(ctx)  # [B, Tc, L * 2 * Hkv * D]
             parts = kv.chunk(2 * len(self.layers), dim=-1)  # k, v of layer 0, k, v of layer 1, ...: all Hkv * D
             ctx_kv = [parts[2 * i : 2 * i + 2] for i in range(len(self.layers))]
         x = noise_embedding

@@ -144,7 +144,8 @@ Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& signed_sin) {
 // [Tc, 2 L Hkv D] the context's keys and values of every layer (the stacked projection); cos/signed_sin
 // [T or Tc, 1, D]; keys/values the drafter's cache [L, 1, Hkv, S, D], the context written at start.., the
 // block after it as scratch. Per layer 4 norms (input, post-attention, q, k) and 6 linear layers (q, k, v,
-// o, gate_up, down). Returns the block's hidden states after the final norm.
+// o, gate_up, down), or 4 with q/k/v as one (their blocks stacked: each output column is computed alike, so
+// the bits are the same and two calls fewer). Returns the block's hidden states after the final norm.
 Tensor draft_stack(const Tensor& x_in, const Tensor& kv_in, const Tensor& q_cos, const Tensor& q_signed,
                    const Tensor& c_cos, const Tensor& c_signed, int64_t start, Tensor& keys, Tensor& values,
                    at::TensorList norms, at::TensorList packed, at::IntArrayRef codes,
@@ -152,9 +153,10 @@ Tensor draft_stack(const Tensor& x_in, const Tensor& kv_in, const Tensor& q_cos,
                    int64_t hkv, int64_t dh, double scale, int64_t act) {
   const int64_t layers = keys.size(0), t = x_in.size(0), tc = kv_in.size(0), end = start + tc + t;
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "draft_stack takes float32 x [T, H]");
-  TORCH_CHECK((int64_t)norms.size() == 4 * layers && (int64_t)packed.size() == 6 * layers &&
-                  (int64_t)codes.size() == 6 * layers && (int64_t)biases.size() == 6 * layers,
-              "draft_stack: per layer 4 norms and 6 linear layers");
+  const int64_t per = (int64_t)packed.size() == 4 * layers ? 4 : 6;  // 4: q/k/v fused
+  TORCH_CHECK((int64_t)norms.size() == 4 * layers && (int64_t)packed.size() == per * layers &&
+                  (int64_t)codes.size() == per * layers && (int64_t)biases.size() == per * layers,
+              "draft_stack: per layer 4 norms and 6 linear layers (4 with q/k/v fused)");
   TORCH_CHECK(kv_in.size(1) == 2 * layers * hkv * dh, "the context keys/values are not [Tc, 2 L Hkv D]");
   TORCH_CHECK(end <= keys.size(3), "KV cache overflow: position ", end, " > capacity ", keys.size(3));
   TORCH_CHECK(act >= 0 && act <= 2, "unknown activation code ", act);
@@ -163,29 +165,35 @@ Tensor draft_stack(const Tensor& x_in, const Tensor& kv_in, const Tensor& q_cos,
   const bool gqa = hkv != h;
   Tensor x = x_in;
   for (int64_t i = 0; i < layers; i++) {
-    const int64_t n = 6 * i;
+    const int64_t n = per * i, m = n + per - 6;  // m + 3 .. m + 5: o, gate_up, down
     const Tensor& k_norm = norms[4 * i + 3];
     Tensor y = o.norm.call(x, norms[4 * i], eps, -1);
-    Tensor q = rotate(o.norm.call(linear(o, y, packed[n], codes[n], biases.get(n)).view({t, h, dh}), norms[4 * i + 2],
-                                  eps, -1),
-                      q_cos, q_signed);  // [T, H, D]
-    Tensor k_blk = rotate(o.norm.call(linear(o, y, packed[n + 1], codes[n + 1], biases.get(n + 1)).view({t, hkv, dh}),
-                                      k_norm, eps, -1),
-                          q_cos, q_signed);
+    Tensor q_out, k_out, v_out;  // [T, H * D], [T, Hkv * D] x 2
+    if (per == 4) {
+      Tensor qkv = linear(o, y, packed[n], codes[n], biases.get(n));
+      q_out = qkv.narrow(1, 0, h * dh);
+      k_out = qkv.narrow(1, h * dh, hkv * dh);
+      v_out = qkv.narrow(1, (h + hkv) * dh, hkv * dh);
+    } else {
+      q_out = linear(o, y, packed[n], codes[n], biases.get(n));
+      k_out = linear(o, y, packed[n + 1], codes[n + 1], biases.get(n + 1));
+      v_out = linear(o, y, packed[n + 2], codes[n + 2], biases.get(n + 2));
+    }
+    Tensor q = rotate(o.norm.call(q_out.view({t, h, dh}), norms[4 * i + 2], eps, -1), q_cos, q_signed);  // [T, H, D]
+    Tensor k_blk = rotate(o.norm.call(k_out.view({t, hkv, dh}), k_norm, eps, -1), q_cos, q_signed);
     Tensor k_ctx = rotate(o.norm.call(kv[2 * i].view({tc, hkv, dh}), k_norm, eps, -1), c_cos, c_signed);
     Tensor layer_k = keys.select(0, i), layer_v = values.select(0, i);  // [1, Hkv, S, D]
     layer_k.narrow(2, start, tc).copy_(k_ctx.transpose(0, 1));
     layer_v.narrow(2, start, tc).copy_(kv[2 * i + 1].view({tc, hkv, dh}).transpose(0, 1));
     layer_k.narrow(2, start + tc, t).copy_(k_blk.transpose(0, 1));
-    layer_v.narrow(2, start + tc, t)
-        .copy_(linear(o, y, packed[n + 2], codes[n + 2], biases.get(n + 2)).view({t, hkv, dh}).transpose(0, 1));
+    layer_v.narrow(2, start + tc, t).copy_(v_out.view({t, hkv, dh}).transpose(0, 1));
     Tensor attn = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), layer_k.narrow(2, 0, end),
                                                    layer_v.narrow(2, 0, end), {}, 0.0, false, scale, gqa);
-    x = add_linear(o, x, attn[0].transpose(0, 1).reshape({t, h * dh}), packed[n + 3], codes[n + 3],
-                   biases.get(n + 3));  // attn [1, H, T, D]
+    x = add_linear(o, x, attn[0].transpose(0, 1).reshape({t, h * dh}), packed[m + 3], codes[m + 3],
+                   biases.get(m + 3));  // attn [1, H, T, D]
     y = o.norm.call(x, norms[4 * i + 1], eps, -1);
-    std::vector<Tensor> gu = linear(o, y, packed[n + 4], codes[n + 4], biases.get(n + 4)).chunk(2, -1);
-    x = add_linear(o, x, act_mul(gu[0], gu[1], act), packed[n + 5], codes[n + 5], biases.get(n + 5));
+    std::vector<Tensor> gu = linear(o, y, packed[m + 4], codes[m + 4], biases.get(m + 4)).chunk(2, -1);
+    x = add_linear(o, x, act_mul(gu[0], gu[1], act), packed[m + 5], codes[m + 5], biases.get(m + 5));
   }
   return o.norm.call(x, final_norm, eps, -1);
 }
