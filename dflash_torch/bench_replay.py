@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import socket
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,35 +62,71 @@ def conversations_for(spec: str, limit: int | None) -> list[dict]:
     return convs[:limit] if limit else convs
 
 
+def serve_flags(args) -> list[str]:
+    """The `dflash serve` flags that load and run the pipeline as this bench's options ask: the model, the
+    drafter and its settings, precision, and how generation runs (what `dflash serve` then does by default:
+    drafter, prompt lookup, fallback, adaptive width, prefix cache)."""
+    flags = ["--device", args.device, "--dtype", args.dtype, "--quantize", args.quantize,
+             "--draft-sinks", str(args.draft_sinks), "--draft-vocab" if args.draft_vocab else "--no-draft-vocab"]
+    flags += ["--model", str(args.model)] if args.model else []
+    flags += ["--no-draft"] if args.no_draft else ["--draft", str(args.draft)]
+    for flag, value in (("--draft-window", args.draft_window), ("--block-size", args.block_size),
+                        ("--prefill-step-size", args.prefill_step_size)):
+        flags += [flag, str(value)] if value is not None else []
+    for name, value in (("adaptive", args.adaptive), ("lookup", args.lookup)):
+        flags += [] if value is None else [f"--{name}" if value else f"--no-{name}"]
+    return flags + (["--cuda-graphs"] if args.cuda_graphs else [])
+
+
 @contextmanager
-def running_server(pipe, **config) -> Iterator[str]:
-    """The server app serving `pipe` under uvicorn in a thread on a free loopback port; yields its base URL."""
+def server_process(flags: list[str], log, timeout: float = 600.0) -> Iterator[str]:
+    """`dflash serve FLAGS` in a process of its own on a free loopback port, as a user runs it; yields its
+    base URL once /health reports the model loaded, and stops it after.
+
+    Not a server thread in this process: this process runs torch too (the target-only references), and
+    two threads that both run OpenMP regions on a machine with as many cores as threads make libgomp
+    stop spinning between regions (it throttles when it manages more threads than there are CPUs), so
+    every parallel region then waits for a thread to wake up: a 135M model's decode step measured 12.8 ms
+    against 3.0 in the thread that had loaded it (2 cores). `dflash serve` loads and runs everything in
+    its one worker thread, and is timed here the same way."""
+    import subprocess
+    import tempfile
+
     import httpx
-    import uvicorn
 
-    from .serve.app import create_app
-    from .serve.engine import ServerConfig
-
-    app = create_app(ServerConfig(**config), loader=lambda: pipe)
-    # proto IPPROTO_TCP, as uvicorn's own sockets have it: asyncio sets TCP_NODELAY only on such sockets, and
-    # without it every response waited ~40 ms for the client's delayed ACK (Nagle), counted in each TTFT
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    deadline = time.time() + 60
-    while not server.started or httpx.get(base + "/health").status_code != 200:
-        if time.time() > deadline or not thread.is_alive():
-            server.should_exit = True
-            raise RuntimeError("the server did not become ready")
-        time.sleep(0.02)
-    try:
-        yield base
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    port = sock.getsockname()[1]
+    sock.close()  # (the port stays free for the server to bind: nothing else here asks for one)
+    base = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_torch.cli", "serve", "--port", str(port), *flags],
+                                stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            deadline = time.time() + timeout
+            while True:
+                if proc.poll() is not None:
+                    err.seek(0)
+                    tail = err.read()[-2000:]
+                    raise RuntimeError(f"dflash serve exited with status {proc.returncode} before it was ready:\n"
+                                       f"{tail}")
+                if time.time() > deadline:
+                    raise RuntimeError(f"dflash serve was not ready within {timeout:.0f} s")
+                try:
+                    if httpx.get(base + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+            log(f"server ready at {base}: dflash serve {' '.join(flags)}")
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def chat_turn(base: str, messages: list[dict], max_tokens: int, sampling: dict, client=None) -> dict:
@@ -215,8 +250,9 @@ def cmd_replay(args) -> int:
                 "seed": args.seed}
     sampling = {k: v for k, v in sampling.items() if v is not None}
     # as `dflash serve` runs by default: drafter, prompt lookup, fallback, adaptive width, prefix cache
+    flags = serve_flags(args)
     config = dict(block_size=args.block_size, adaptive=args.block_size is None and args.adaptive is not False,
-                  lookup=args.lookup, prefill_step_size=args.prefill_step_size)
+                  lookup=args.lookup, prefill_step_size=args.prefill_step_size, serve_flags=flags)
     results = {
         "schema": REPLAY_SCHEMA, "command": command_line(args), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": {"name": pipe.name, "path": str(pipe.model_path),
@@ -229,7 +265,7 @@ def cmd_replay(args) -> int:
     import httpx
 
     # beside it, the same server without a prefix cache: the cold prefill of each turn's context, timed alike
-    with running_server(pipe, **config) as base, running_server(pipe, **config, prefix_cache_max_entries=0) as cold, \
+    with server_process(flags, log) as base, server_process([*flags, "--no-prefix-cache"], log) as cold, \
             httpx.Client(timeout=None) as client:
         for url in (base, cold):
             chat_turn(url, [{"role": "user", "content": "Hi"}], 8, sampling, client)  # warm-up, not counted

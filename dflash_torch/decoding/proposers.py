@@ -131,15 +131,16 @@ class DrafterProposer:
 
     name = "dflash"
 
-    def __init__(self, drafter, target, block_size: int, capacity: int, hidden: torch.Tensor, sampler: Sampler,
-                 history: History | None, constraint: Constraint | None, controller, stats, session) -> None:
+    def __init__(self, drafter, target, block_size: int, capacity: int, hidden: torch.Tensor | list[torch.Tensor],
+                 sampler: Sampler, history: History | None, constraint: Constraint | None, controller, stats,
+                 session) -> None:
         self.drafter, self.target, self.block_size = drafter, target, block_size
         self.sampler, self.history, self.constraint = sampler, history, constraint
         self.controller, self.stats, self.session = controller, stats, session
         self.cache = drafter.new_cache(capacity)
         # tap features [1, t, n_taps * H] not yet given to the drafter, joined only when it runs: a
         # running torch.cat copied the whole backlog every step while the fallback kept it off
-        self.pending = [hidden]
+        self.pending = list(hidden) if isinstance(hidden, list) else [hidden]
         self.mean = 0.0  # running mean of drafted tokens kept per drafter cycle
 
     def offer(self, remaining: int) -> Offer:

@@ -334,7 +334,8 @@ def _committed(new: list[int], remaining: int, stops: set[int]) -> list[int]:
 
 def _prefill(target, prompt: list[int], capacity: int, taps, session: Session | None, device, chunk: int | None):
     """Run the prompt (or the part of it a prefix cache does not hold) -> the cache, the logits [1, V]
-    at the prompt's last position, and the tap features [1, n, F] of the prompt (None without taps)."""
+    at the prompt's last position, and the tap features [1, n, F] of the prompt (None without taps); with a
+    prefix cache, as a list of parts [1, t, F] in position order (the cached ones, then the new)."""
     if session is None:
         cache = target.new_cache(capacity)
         return (cache, *_run_prompt(target, prompt, cache, taps, chunk, device))
@@ -344,15 +345,18 @@ def _prefill(target, prompt: list[int], capacity: int, taps, session: Session | 
     else:
         cache, done, hidden, logits = hit.cache, hit.length, hit.hidden, hit.logits
     session.cache, session.handed_out = cache, getattr(target, "handed_out", None)
+    # tap features in position order, left as parts: after a long conversation, joining the cached ones to
+    # the new ones copied them all before the first token (7 ms at 2,000 positions, 135M model)
+    parts = [] if hidden is None else [hidden]
     if logits is None:  # run what the cache does not hold
         logits, new = _run_prompt(target, prompt[done:], cache, taps, chunk, device)
-        hidden = new if hidden is None else torch.cat([hidden, new], dim=1)
+        parts += [new] if new is not None else []
         session.prompt_state = cache.state() if hasattr(cache, "state") else None
     else:  # the same prompt as the entry's: its prefill is still in the cache
         session.prompt_state = hit.entry.prompt_state
     session.logits = logits
-    session.hidden = [hidden] if taps else []
-    return cache, logits, hidden
+    session.hidden = list(parts) if taps else []
+    return cache, logits, (parts if taps else None)
 
 
 def _run_prompt(target, tokens: list[int], cache, taps, chunk: int | None, device):
