@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,9 @@ class Pipeline:
     lm_head: str | None = None  # the target's LM head's format, None = as loaded
     # The target's prefills attend one query at a time (set by `load` for quantized targets, see there)
     exact_prefill: bool = False
+    # the thread `load` ran in: passes run from another thread of a process whose loading thread ran
+    # OpenMP regions can be several times slower (docs/performance.md, "One thread runs the model")
+    loaded_in: int = field(default_factory=threading.get_ident)
 
     @property
     def max_context(self) -> int:

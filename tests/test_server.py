@@ -1533,3 +1533,21 @@ def test_forced_call_grammar_formats():
     assert '"parameters"' in forced_call_grammar('Respond as {"name": ..., "parameters": ...}', tools)
     assert forced_call_grammar("<tool_call><function=NAME>", tools) is None  # XML calls: not forced
     assert forced_call_grammar("no tools here", tools) is None
+
+
+def test_warns_when_the_model_was_loaded_in_another_thread(pipe, chat_model, caplog):
+    """A pipeline loaded in this thread and served from the engine's worker: a warning (OpenMP teams of two
+    threads can make every pass several times slower); loaded by the engine's own loader: none."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="dflash.server"):
+        with serve(pipe) as base:
+            assert httpx.get(base + "/health").status_code == 200
+        assert any("loaded in another thread" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        with serve(loader=lambda: load(str(chat_model[0]), str(chat_model[1]), device="cpu", dtype="float32")) as base:
+            deadline = time.time() + 60
+            while httpx.get(base + "/health").status_code != 200:
+                assert time.time() < deadline, "model did not become ready"
+                time.sleep(0.05)
+        assert not any("loaded in another thread" in r.getMessage() for r in caplog.records)

@@ -283,6 +283,12 @@ class Engine:
             if self.on_load_error:
                 self.on_load_error(e)
             return
+        if getattr(pipe, "loaded_in", threading.get_ident()) != threading.get_ident():
+            # libgomp throttles once two threads' OpenMP teams outnumber the CPUs: every parallel region
+            # then waits for a sleeping thread (a decode step 4x slower on 2 cores); `dflash serve` loads here
+            log.warning("dflash serve: the model was loaded in another thread; if that thread ran torch ops, "
+                        "passes here can be several times slower (load it in the engine's loader instead: "
+                        "docs/performance.md, \"One thread runs the model\")")
         c = self.config
         if c.adaptive and c.fallback and c.block_size is None and pipe.drafter is not None:
             # seconds per cycle by block size, measured before the server reports ready (not in the
