@@ -1551,3 +1551,40 @@ def test_warns_when_the_model_was_loaded_in_another_thread(pipe, chat_model, cap
                 assert time.time() < deadline, "model did not become ready"
                 time.sleep(0.05)
         assert not any("loaded in another thread" in r.getMessage() for r in caplog.records)
+
+
+def test_events_go_over_in_order_first_text_and_last_at_once(monkeypatch):
+    """Job.emit holds events for up to EMIT_INTERVAL_S (one event-loop wake-up per token cost decode speed):
+    the first text and the final event go over at once, everything in order, nothing lost."""
+    import asyncio
+
+    from dflash_torch.decoding.sampling import Sampler
+    from dflash_torch.serve import engine as engine_mod
+
+    def drain(q) -> list:
+        out = []
+        while not q.empty():
+            out.append(q.get_nowait())
+        return out
+
+    loop = asyncio.new_event_loop()
+    try:
+        monkeypatch.setattr(engine_mod, "EMIT_INTERVAL_S", 1e9)
+        job = engine_mod.Job("chat", [1], 8, Sampler(), [], loop)
+        job.emit("logprobs", ["a"])  # before any text: goes at once (nothing handed over yet)
+        job.emit("delta", "x")  # the first text: at once
+        for i in range(4):
+            job.emit("delta", str(i))  # held
+        loop.run_until_complete(asyncio.sleep(0))
+        assert drain(job.events) == [("logprobs", ["a"]), ("delta", "x")]
+        job.emit("done", {"n": 1})
+        loop.run_until_complete(asyncio.sleep(0))
+        assert drain(job.events) == [("delta", "0"), ("delta", "1"), ("delta", "2"), ("delta", "3"), ("done", {"n": 1})]
+        monkeypatch.setattr(engine_mod, "EMIT_INTERVAL_S", 0.0)  # no holding: each event as it comes
+        job = engine_mod.Job("chat", [1], 8, Sampler(), [], loop)
+        for i in range(3):
+            job.emit("delta", str(i))
+            loop.run_until_complete(asyncio.sleep(0))
+            assert drain(job.events) == [("delta", str(i))]
+    finally:
+        loop.close()

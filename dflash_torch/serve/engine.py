@@ -107,6 +107,11 @@ class TextStream:
 # --- jobs and the worker ------------------------------------------------------------------------
 
 
+# Events of a generation go to the request's handler at most this often (the first and the last at once):
+# a stream's chunk then holds the tokens of up to this long, at a tenth of the wake-ups at 300 tok/s.
+EMIT_INTERVAL_S = 0.03
+
+
 @dataclass
 class Job:
     """One generation: its inputs, its channel back to the request handler and what it did."""
@@ -138,15 +143,37 @@ class Job:
     first_token: float | None = None
     completion_tokens: int = 0
     seen: dict = field(default_factory=dict)  # speculative counters already exported
+    # events not yet handed to the loop, and when the last hand-over was (emit)
+    held_events: list = field(default_factory=list)
+    handed_at: float = float("-inf")  # (the first event goes at once)
+    text_out: bool = False  # a delta has been handed over (the first one goes at once: the TTFT)
+    emit_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def emit(self, kind: str, payload=None) -> None:
         """Hand ("delta", text) / ("logprobs", [entry]) / ("done", info) / ("error", APIError) to the
         handler, from any thread. Log-probability entries come just before the delta whose text they
-        made (a token whose text is held back, as a possible stop string's start, waits with it)."""
+        made (a token whose text is held back, as a possible stop string's start, waits with it).
+
+        Events go over at most every EMIT_INTERVAL_S, in order; the first text and the last events at once:
+        each hand-over wakes the event loop's thread, which on a machine with as many cores as compute
+        threads takes a core from a pass (one wake-up per token cost 6% of decode speed on 2 cores)."""
+        with self.emit_lock:
+            self.held_events.append((kind, payload))
+            now = time.perf_counter()
+            first_text = kind == "delta" and not self.text_out
+            self.text_out = self.text_out or kind == "delta"
+            if (kind not in ("done", "cancelled", "error") and not first_text
+                    and now - self.handed_at < EMIT_INTERVAL_S):
+                return
+            batch, self.held_events, self.handed_at = self.held_events, [], now
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+            self.loop.call_soon_threadsafe(self._put, batch)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+    def _put(self, batch: list) -> None:
+        for event in batch:
+            self.events.put_nowait(event)
 
     @property
     def mode(self) -> str:
