@@ -166,10 +166,10 @@ class Job:
                     and now - self.handed_at < EMIT_INTERVAL_S):
                 return
             batch, self.held_events, self.handed_at = self.held_events, [], now
-        try:
-            self.loop.call_soon_threadsafe(self._put, batch)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+            try:  # under the lock: batches from two threads reach the loop in the order they were taken
+                self.loop.call_soon_threadsafe(self._put, batch)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
 
     def _put(self, batch: list) -> None:
         for event in batch:
