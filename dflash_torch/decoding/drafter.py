@@ -347,12 +347,10 @@ class DFlashDrafter(nn.Module):
         self.ctx_kv_bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
         # Block-format projections: their blocks stacked as they are, on the block kernels like the block's own
         # k/v (a quarter of the float copy's bytes; the float matmul was most of a few-row draft pass's context)
-        object.__setattr__(self, "ctx_kv_blocks", None)
-        fmts = {getattr(p, "fmt", None) for p in parts}
+        blocks, fmts = None, {getattr(p, "fmt", None) for p in parts}
         if all(isinstance(p, quantize.BlockLinear) for p in parts) and len(fmts) == 1:
-            bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
-            blocks = quantize.BlockLinear(None, fmts.pop(), torch.cat([p.raw() for p in parts]), bias)
-            object.__setattr__(self, "ctx_kv_blocks", blocks)  # not a submodule: never saved, like ctx_kv_weight
+            blocks = quantize.BlockLinear(None, fmts.pop(), torch.cat([p.raw() for p in parts]), self.ctx_kv_bias)
+        object.__setattr__(self, "ctx_kv_blocks", blocks)  # not a submodule: never saved, like ctx_kv_weight
         self._plan = None
         return self
 
