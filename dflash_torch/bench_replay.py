@@ -94,6 +94,8 @@ def server_process(flags: list[str], log, timeout: float = 600.0) -> Iterator[st
 
     import httpx
 
+    from .loading import ModelError
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -105,13 +107,13 @@ def server_process(flags: list[str], log, timeout: float = 600.0) -> Iterator[st
         try:
             deadline = time.time() + timeout
             while True:
-                if proc.poll() is not None:
+                if proc.poll() is not None:  # (a bad model or flag: `dflash bench` prints it, no traceback)
                     err.seek(0)
-                    tail = err.read()[-2000:]
-                    raise RuntimeError(f"dflash serve exited with status {proc.returncode} before it was ready:\n"
-                                       f"{tail}")
+                    tail = err.read()[-2000:].strip()
+                    raise ModelError(f"dflash serve exited with status {proc.returncode} before it was ready: "
+                                     f"{tail}")
                 if time.time() > deadline:
-                    raise RuntimeError(f"dflash serve was not ready within {timeout:.0f} s")
+                    raise ModelError(f"dflash serve was not ready within {timeout:.0f} s")
                 try:
                     if httpx.get(base + "/health", timeout=5).status_code == 200:
                         break

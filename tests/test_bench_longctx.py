@@ -152,3 +152,12 @@ def test_replay_errors(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('{"id": "x", "messages": [{"role": "assistant", "content": "hi"}]}\n')
     rc, _, err = run_cli(capsys, ["bench", "--replay", str(tmp_path / "bad.jsonl")])
     assert rc == 2 and "bad.jsonl:1: the conversation has no user message" in err
+
+
+def test_replay_server_that_cannot_start_is_a_clear_error(tmp_path):
+    """A `dflash serve` that exits before it is ready: ModelError (printed by the CLI) with its last words."""
+    from dflash_torch.loading import ModelError
+
+    with pytest.raises(ModelError, match="before it was ready"):
+        with bench_replay.server_process(["--model", str(tmp_path / "no-such-model")], lambda msg: None):
+            pass
