@@ -189,7 +189,8 @@ def test_without_the_extension_the_reference_serves(tmp_path):
     gen = torch.Generator().manual_seed(7)
     x, w = torch.randn(3, 64, generator=gen), torch.randn(12, 64, generator=gen)
     p = pack.pack(pack.quantize(w, "q4_1"), "q4_1")
-    torch.save({"x": x, "p": p}, tmp_path / "in.pt")
+    nw = torch.randn(64, generator=gen)
+    torch.save({"x": x, "p": p, "w": nw}, tmp_path / "in.pt")
     code = (
         "import sys, warnings, torch\n"
         "from dflash_torch import kernels\n"
@@ -198,7 +199,8 @@ def test_without_the_extension_the_reference_serves(tmp_path):
         "    warnings.simplefilter('always')\n"
         "    backend = kernels.ensure(); kernels.ensure()\n"
         "y = torch.ops.dflash.block_mm(d['x'], d['p'], 1, 12, -1)\n"
-        "torch.save({'backend': backend, 'y': y, 'warnings': [str(w.message) for w in caught]}, sys.argv[2])\n"
+        "z = torch.ops.dflash.block_mm_norm(d['x'], d['w'], 1e-6, d['p'], 1, 12, -1)\n"
+        "torch.save({'backend': backend, 'y': y, 'z': z, 'warnings': [str(w.message) for w in caught]}, sys.argv[2])\n"
     )
     env = dict(os.environ, DFLASH_NO_EXTENSION="1")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
@@ -207,6 +209,7 @@ def test_without_the_extension_the_reference_serves(tmp_path):
     assert out["backend"] == "reference"
     assert len(out["warnings"]) == 1 and "C++ block kernels are not available" in out["warnings"][0]
     assert torch.equal(out["y"], kernels.block_mm(x, p, 1, 12))
+    assert torch.equal(out["z"], reference.block_mm(reference.rms_norm(x, nw, 1e-6), p, 1, 12))
 
 
 def test_auto_picks_the_files_own_blocks():
@@ -295,6 +298,27 @@ def test_residual_add_inside_the_kernel_equals_adding_after(fmt):
         for isa in _isas():
             want = r + kernels.block_mm(x, p, code, n, isa)
             assert torch.equal(torch.ops.dflash.block_mm_add(x, p, code, n, r, isa), want), (m, n, k, isa)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_norm_inside_the_kernel_equals_norm_then_kernel(threads):
+    """block_mm_norm(x, w, eps, W) == block_mm(rms_norm(x, w, eps), W), bit for bit, on every path and with
+    rows split over threads (the decoder stack normalizes each row on the way to its quantization)."""
+    gen = torch.Generator().manual_seed(12)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for fmt in pack.FORMATS:
+            code = pack.FORMATS.index(fmt)
+            for m, n, k in ((1, 24, 64), (4, 13, 96), (16, 40, 160), (33, 8, 32)):
+                p = pack.pack(pack.quantize(torch.randn(n, k, generator=gen), fmt), fmt)
+                x, w = torch.randn(m, k, generator=gen) * 3, torch.randn(k, generator=gen)
+                for isa in _isas():
+                    want = kernels.block_mm(torch.ops.dflash.rms_norm(x, w, 1e-6, -1), p, code, n, isa)
+                    got = torch.ops.dflash.block_mm_norm(x, w, 1e-6, p, code, n, isa)
+                    assert torch.equal(got, want), (fmt, m, n, k, isa)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("threads", [2, 3])

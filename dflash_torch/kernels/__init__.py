@@ -78,6 +78,9 @@ def _register_reference() -> None:
     lib.define("block_mm_add(Tensor x, Tensor packed, int fmt, int n, Tensor residual, int isa=-1) -> Tensor")
     lib.impl("block_mm_add", lambda x, p, fmt, n, r, isa=-1: r + reference.block_mm(x, p, fmt, n), "CPU")
     lib.impl("quantize_act", lambda x, isa=-1: reference.quantize_act(x), "CPU")
+    lib.define("block_mm_norm(Tensor x, Tensor norm_w, float eps, Tensor packed, int fmt, int n, int isa=-1) -> Tensor")
+    lib.impl("block_mm_norm", lambda x, w, eps, p, fmt, n, isa=-1: reference.block_mm(
+        reference.rms_norm(x, w, eps), p, fmt, n), "CPU")
     lib.impl("best_isa", lambda: -1, "CompositeExplicitAutograd")
     lib.define("causal_attention(Tensor q, Tensor k, Tensor v, int start, float scale, int isa=-1) -> Tensor")
     lib.impl("causal_attention", reference.causal_attention, "CPU")

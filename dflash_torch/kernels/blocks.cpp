@@ -29,6 +29,10 @@
 
 #include <utility>
 
+namespace dflash_norm {
+void norm_row(const float* x, const float* w, int64_t n, float eps, float* y);  // norm.cpp
+}
+
 namespace {
 
 using namespace dflash_blocks;
@@ -437,12 +441,23 @@ void check_packed(const torch::Tensor& packed, int64_t fmt, int64_t n, int64_t k
               " bytes, a ", n, "x", k, " matrix needs ", groups * (k / QK) * group_bytes(fmt));
 }
 
-// y [M, N] = x [M, K] @ W^T (+ r [M, N]: a residual added to each output, as `r + y` would)
+// y [M, N] = x [M, K] @ W^T (+ r [M, N]: a residual added to each output, as `r + y` would); with norm_w,
+// each row of x is first normalized as rms_norm(x, norm_w, eps) would (on the way to its quantization:
+// no separate call, and in a verify pass the threads share the rows)
 torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& packed, int64_t fmt, int64_t n,
-                            int64_t isa, const torch::Tensor* residual) {
+                            int64_t isa, const torch::Tensor* residual, const torch::Tensor* norm_w = nullptr,
+                            double eps = 0.0) {
   TORCH_CHECK(x_in.dim() == 2, "block_mm takes x [M, K]");
   const int64_t m = x_in.size(0), k = x_in.size(1), nb = k / QK;
   check_packed(packed, fmt, n, k);
+  torch::Tensor nw;
+  if (norm_w != nullptr) {
+    TORCH_CHECK(norm_w->scalar_type() == torch::kFloat32 && norm_w->numel() == k,
+                "block_mm_norm: a float32 norm weight of ", k, " values");
+    nw = norm_w->contiguous();
+  }
+  const float* nwp = norm_w != nullptr ? nw.data_ptr<float>() : nullptr;
+  const float feps = (float)eps;
   const bool asked = isa >= 0;
   isa = resolve(isa);
   // AMX where asked for, or where it is the best path and the rows fill enough of a tile; else VNNI
@@ -472,13 +487,20 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
   int32_t* s8p = start_q4_0 ? s8buf.data() : nullptr;
   uint8_t* up = unsigned_q8 ? ubuf.data() : nullptr;
   auto quantize = [=](int64_t r0, int64_t r1) {  // rows [r0, r1): quants, scales, sums, Q4_1's d * sum
+    thread_local std::vector<float> normed;  // the row normalized (block_mm_norm)
+    if (nwp != nullptr) normed.resize(k);
     for (int64_t r = r0; r < r1; r++) {
+      const float* row = xp + r * k;
+      if (nwp != nullptr) {
+        dflash_norm::norm_row(row, nwp, k, feps, normed.data());
+        row = normed.data();
+      }
 #ifdef DFLASH_X86
       if (isa >= AVX2)
-        quantize_row_avx2(xp + r * k, k, qp + r * k, dp + r * nb, sp + r * nb);
+        quantize_row_avx2(row, k, qp + r * k, dp + r * nb, sp + r * nb);
       else
 #endif
-        quantize_row_scalar(xp + r * k, k, qp + r * k, dp + r * nb, sp + r * nb);
+        quantize_row_scalar(row, k, qp + r * k, dp + r * nb, sp + r * nb);
       for (int64_t i = r * nb; i < (r + 1) * nb; i++) dsp[i] = dp[i] * (float)sp[i];  // rounded once
       if (s8p != nullptr)
         for (int64_t i = r * nb; i < (r + 1) * nb; i++) s8p[i] = -8 * sp[i];
@@ -566,6 +588,12 @@ torch::Tensor block_mm_add(const torch::Tensor& x, const torch::Tensor& packed, 
   return block_mm_impl(x, packed, fmt, n, isa, &residual);
 }
 
+// block_mm(rms_norm(x, norm_w, eps), ...) in one call, the same bits
+torch::Tensor block_mm_norm(const torch::Tensor& x, const torch::Tensor& norm_w, double eps, const torch::Tensor& packed,
+                            int64_t fmt, int64_t n, int64_t isa) {
+  return block_mm_impl(x, packed, fmt, n, isa, nullptr, &norm_w, eps);
+}
+
 // The activation quantization alone (for the reference's tests): (q [M, K] int8, d [M, nb], s [M, nb]).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_act(const torch::Tensor& x_in, int64_t isa) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % QK == 0, "quantize_act takes x [M, K], K a multiple of 32");
@@ -586,9 +614,11 @@ int64_t isa_available() { return best_isa(); }
 TORCH_LIBRARY(dflash, m) {
   m.def("block_mm(Tensor x, Tensor packed, int fmt, int n, int isa=-1) -> Tensor");
   m.def("block_mm_add(Tensor x, Tensor packed, int fmt, int n, Tensor residual, int isa=-1) -> Tensor");
+  m.def("block_mm_norm(Tensor x, Tensor norm_w, float eps, Tensor packed, int fmt, int n, int isa=-1) -> Tensor");
   m.def("quantize_act(Tensor x, int isa=-1) -> (Tensor, Tensor, Tensor)");
   m.def("best_isa", &isa_available);
   m.impl("block_mm", torch::kCPU, &block_mm);
   m.impl("block_mm_add", torch::kCPU, &block_mm_add);
+  m.impl("block_mm_norm", torch::kCPU, &block_mm_norm);
   m.impl("quantize_act", torch::kCPU, &quantize_act);
 }

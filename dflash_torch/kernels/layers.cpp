@@ -1,9 +1,10 @@
 // A Llama-family decoder stack whose linear layers are all block-format matmuls, in one call: for each
 // layer, RMSNorm -> fused q/k/v -> rotary + cache write + attention -> output projection + residual ->
-// RMSNorm -> fused gate/up -> activation * up -> down projection + residual. It calls exactly the
-// operators `llama.FlatLayers` calls on that path (the dflash kernels through the dispatcher, the
-// activation and product through ATen), in the same order, so its results are FlatLayers' bit for bit
-// (tests/test_fast.py). What it saves is everything between them: a decode step of a small model is a
+// RMSNorm -> fused gate/up -> activation * up -> down projection + residual. It calls the operators
+// `llama.FlatLayers` calls on that path (the dflash kernels through the dispatcher, the activation and
+// product through ATen), in the same order, except that each RMSNorm runs inside the matmul that reads
+// it (block_mm_norm: the norm's own row function on each row before its quantization, the same bits),
+// so its results are FlatLayers' bit for bit (tests/test_fast.py). What it saves is everything between them: a decode step of a small model is a
 // few hundred small operators, and from Python or TorchScript each one costs microseconds of dispatch,
 // boxing and bookkeeping that a compiled loop does not pay.
 
@@ -24,6 +25,8 @@ struct Ops {
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t)> mm;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, const Tensor&, int64_t)> mm_add;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double, int64_t)> norm;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double, const Tensor&, int64_t, int64_t, int64_t)>
+      mm_norm;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
                                   int64_t, int64_t, double)>
       rope_attention;
@@ -38,6 +41,8 @@ const Ops& ops() {
         d.findSchemaOrThrow("dflash::block_mm_add", "")
             .typed<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, const Tensor&, int64_t)>(),
         d.findSchemaOrThrow("dflash::rms_norm", "").typed<Tensor(const Tensor&, const Tensor&, double, int64_t)>(),
+        d.findSchemaOrThrow("dflash::block_mm_norm", "")
+            .typed<Tensor(const Tensor&, const Tensor&, double, const Tensor&, int64_t, int64_t, int64_t)>(),
         d.findSchemaOrThrow("dflash::rope_attention", "")
             .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
                           int64_t, double)>(),
@@ -49,6 +54,13 @@ const Ops& ops() {
 // flat.linear for a BLOCK layer: the kernel's float32 output (+ bias)
 Tensor linear(const Ops& o, const Tensor& x, const Tensor& packed, int64_t code, const std::optional<Tensor>& bias) {
   Tensor y = o.mm.call(x, packed, code % 8, code / 8, -1);
+  return bias.has_value() ? y + *bias : y;
+}
+
+// linear(rms_norm(x, w)): the norm inside the kernel, on each row before its quantization (the same bits)
+Tensor norm_linear(const Ops& o, const Tensor& x, const Tensor& w, double eps, const Tensor& packed, int64_t code,
+                   const std::optional<Tensor>& bias) {
+  Tensor y = o.mm_norm.call(x, w, eps, packed, code % 8, code / 8, -1);
   return bias.has_value() ? y + *bias : y;
 }
 
@@ -117,13 +129,12 @@ std::tuple<Tensor, std::vector<Tensor>> decoder_stack(
   std::vector<Tensor> tapped;
   Tensor x = x_in;
   for (int64_t i = 0; i < layers; i++) {
-    Tensor y = o.norm.call(x, norms[2 * i], eps, -1);
-    Tensor qkv = linear(o, y, packed[4 * i], codes[4 * i], biases.get(4 * i));
+    Tensor qkv = norm_linear(o, x, norms[2 * i], eps, packed[4 * i], codes[4 * i], biases.get(4 * i));
     Tensor k = keys.select(0, i).select(0, 0), v = values.select(0, i).select(0, 0);  // [Hkv, S, D]
     Tensor attn = o.rope_attention.call(qkv, cos, signed_sin, k, v, pos, h, hkv, scale);  // [T, H * D]
     x = add_linear(o, x, attn, packed[4 * i + 1], codes[4 * i + 1], biases.get(4 * i + 1));
-    y = o.norm.call(x, norms[2 * i + 1], eps, -1);
-    std::vector<Tensor> gu = linear(o, y, packed[4 * i + 2], codes[4 * i + 2], biases.get(4 * i + 2)).chunk(2, -1);
+    std::vector<Tensor> gu =
+        norm_linear(o, x, norms[2 * i + 1], eps, packed[4 * i + 2], codes[4 * i + 2], biases.get(4 * i + 2)).chunk(2, -1);
     x = add_linear(o, x, act_mul(gu[0], gu[1], act), packed[4 * i + 3], codes[4 * i + 3], biases.get(4 * i + 3));
     for (int64_t t : taps)
       if (t == i) {  // once, however often taps lists it
@@ -167,14 +178,14 @@ Tensor draft_stack(const Tensor& x_in, const Tensor& kv_in, const Tensor& q_cos,
   for (int64_t i = 0; i < layers; i++) {
     const int64_t n = per * i, m = n + per - 6;  // m + 3 .. m + 5: o, gate_up, down
     const Tensor& k_norm = norms[4 * i + 3];
-    Tensor y = o.norm.call(x, norms[4 * i], eps, -1);
     Tensor q_out, k_out, v_out;  // [T, H * D], [T, Hkv * D] x 2
     if (per == 4) {
-      Tensor qkv = linear(o, y, packed[n], codes[n], biases.get(n));
+      Tensor qkv = norm_linear(o, x, norms[4 * i], eps, packed[n], codes[n], biases.get(n));
       q_out = qkv.narrow(1, 0, h * dh);
       k_out = qkv.narrow(1, h * dh, hkv * dh);
       v_out = qkv.narrow(1, (h + hkv) * dh, hkv * dh);
     } else {
+      Tensor y = o.norm.call(x, norms[4 * i], eps, -1);
       q_out = linear(o, y, packed[n], codes[n], biases.get(n));
       k_out = linear(o, y, packed[n + 1], codes[n + 1], biases.get(n + 1));
       v_out = linear(o, y, packed[n + 2], codes[n + 2], biases.get(n + 2));
@@ -191,8 +202,8 @@ Tensor draft_stack(const Tensor& x_in, const Tensor& kv_in, const Tensor& q_cos,
                                                    layer_v.narrow(2, 0, end), {}, 0.0, false, scale, gqa);
     x = add_linear(o, x, attn[0].transpose(0, 1).reshape({t, h * dh}), packed[m + 3], codes[m + 3],
                    biases.get(m + 3));  // attn [1, H, T, D]
-    y = o.norm.call(x, norms[4 * i + 1], eps, -1);
-    std::vector<Tensor> gu = linear(o, y, packed[m + 4], codes[m + 4], biases.get(m + 4)).chunk(2, -1);
+    std::vector<Tensor> gu =
+        norm_linear(o, x, norms[4 * i + 1], eps, packed[m + 4], codes[m + 4], biases.get(m + 4)).chunk(2, -1);
     x = add_linear(o, x, act_mul(gu[0], gu[1], act), packed[m + 5], codes[m + 5], biases.get(m + 5));
   }
   return o.norm.call(x, final_norm, eps, -1);

@@ -102,6 +102,17 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, dou
 
 }  // namespace
 
+namespace dflash_norm {
+// one row exactly as rms_norm(x, w, eps, -1) computes it (rows_avx2<1> and <4> give a row the same bits):
+// for kernels that normalize their input rows on the way in (block_mm_norm in blocks.cpp)
+void norm_row(const float* x, const float* w, int64_t n, float eps, float* y) {
+#ifdef DFLASH_X86
+  if (has_avx2() && n % 8 == 0) return rows_avx2<1>(x, w, n, eps, y);
+#endif
+  row_scalar(x, w, n, eps, y);
+}
+}  // namespace dflash_norm
+
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, int isa=-1) -> Tensor");
   m.impl("rms_norm", torch::kCPU, &rms_norm);
