@@ -802,3 +802,25 @@ def test_windowed_drafter_takes_its_context_in_parts(pair):
             assert (parts.length, parts.dropped) == (whole.length, whole.dropped)
             assert torch.equal(parts.k[..., : parts.length, :], whole.k[..., : whole.length, :])
             used = end
+
+
+@pytest.mark.parametrize("params", [{"rope_theta": 10000.0}, {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0},
+                                    {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                                    {"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0,
+                                     "original_max_position_embeddings": 128}])
+def test_rotary_table_rows_equal_the_positions_computed_alone(params):
+    """Rotary.span's rows (a table computed once, grown by doubling) are exactly what forward computes for
+    those positions alone, whichever order the spans are asked for in and for each dtype."""
+    from dflash_torch.models.rope import Rotary
+
+    rot = Rotary({"rope_type": "default", **params}, 64, 8192)
+    rng = random.Random(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        for _ in range(60):
+            start = rng.randrange(0, 3000)
+            end = start + rng.choice([1, 2, 3, 16, 17, 200])
+            want = rot(torch.arange(start, end), dtype)
+            got = rot.span(start, end, dtype)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (start, end, dtype)
+            assert got[0].dtype == dtype

@@ -495,7 +495,7 @@ class DFlashDrafter(nn.Module):
         base = cache.length + cache.dropped  # position of ctx's first row
         start = base + sum(c.shape[1] for c in chunks)  # position of the block's first token
         q_pos = torch.arange(start, start + block.shape[1], device=dev)
-        ctx_pos = torch.arange(base, start, device=dev)
+        ctx_pos = span = torch.arange(base, start, device=dev)
         if self.window is not None:
             ctx, ctx_pos = self._slide(chunks, ctx_pos, cache)
         else:
@@ -510,7 +510,10 @@ class DFlashDrafter(nn.Module):
             end = cache.length + ctx.shape[1] + block.shape[1]  # slots, as positions where nothing was dropped
             if end > cache.max_len:
                 raise ValueError(f"KV cache overflow: position {end} > capacity {cache.max_len}")
-            (q_cos, q_sin), (c_cos, c_sin) = self.rotary(q_pos, self.dtype), self.rotary(ctx_pos, self.dtype)
+            # rows of the rotary table where the positions are one range (the same values as computing them)
+            q_cos, q_sin = self.rotary.span(start, start + block.shape[1], self.dtype)
+            c_cos, c_sin = (self.rotary.span(base, start, self.dtype) if ctx_pos is span
+                            else self.rotary(ctx_pos, self.dtype))
             hidden = plan(emb[0].to(self.dtype), ctx[0].to(self.dtype), q_cos[:, None], q_sin[:, None],
                           c_cos[:, None], c_sin[:, None], cache.length, cache.k, cache.v)[None]  # [1, T, H]
             cache.length += ctx.shape[1]

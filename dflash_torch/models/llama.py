@@ -309,7 +309,7 @@ class Model(nn.Module):
         end = pos + t
         if end > cache.max_len:
             raise ValueError(f"KV cache overflow: position {end} > capacity {cache.max_len}")
-        cos, sin = self.rotary(torch.arange(pos, end, device=input_ids.device), self.model.embed_tokens.weight.dtype)
+        cos, sin = self.rotary.span(pos, end, self.model.embed_tokens.weight.dtype)
         x = self.model.embed_tokens(input_ids[0])  # [T, H]
         x, tapped = self._plan[key](x, cos[:, None], sin[:, None], pos, cache.k, cache.v, list(taps))
         cache.length = end

@@ -77,11 +77,24 @@ class Rotary(torch.nn.Module):
         self.scale = scale
         self.register_buffer("inv_freq", freqs, persistent=False)
 
+        self._tables: dict = {}  # (dtype, device) -> (cos, sin) [N, D] for positions 0 .. N - 1 (`span`)
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Computed in float32 from the positions each call; cheap next to the matmuls.
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat([angles, angles], dim=-1)  # [T, D]
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+    def span(self, start: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward(torch.arange(start, end), dtype)` as rows of a table kept from earlier calls: the same
+        values (every step is elementwise, so a position's row does not depend on the others computed with
+        it; tests/test_fast.py), without the eight small operators a decode step or draft pass paid for them."""
+        key = (dtype, self.inv_freq.device)
+        table = self._tables.get(key)
+        if table is None or table[0].shape[0] < end:
+            n = max(end, 2 * table[0].shape[0] if table is not None else 256)  # grows by doubling
+            table = self._tables[key] = self(torch.arange(n, device=self.inv_freq.device), dtype)
+        return table[0][start:end], table[1][start:end]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
