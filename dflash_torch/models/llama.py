@@ -16,6 +16,7 @@ from torch import nn
 from . import flat
 from .cache import KVCache
 from .layers import MLP, Linear, RMSNorm, attend, attend_each_query, attention_mask
+from .quantize import BlockLinear
 from .rope import Rotary, apply_rotary, rope_parameters
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -320,7 +321,15 @@ class Model(nn.Module):
             hidden = None
         out = None
         if logits:
-            out = self.lm_head(self.model.norm(x[-1:] if logits == "last" else x))[None]  # [1, T', V]
+            x = x[-1:] if logits == "last" else x
+            norm, head = self.model.norm, self.lm_head
+            if (type(head) is BlockLinear and head.bias is None and type(norm) is RMSNorm
+                    and norm.kernel and x.dtype == torch.float32 and norm.weight.dtype == torch.float32):
+                # the final norm inside the LM head's matmul (block_mm_norm: the same bits, one call fewer)
+                out = torch.ops.dflash.block_mm_norm(x, norm.weight, norm.eps, head.packed, head.code,
+                                                     head.out_features, -1)[None]  # [1, T', V]
+            else:
+                out = head(norm(x))[None]  # [1, T', V]
         return Output(out, hidden)
 
 
