@@ -281,10 +281,13 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(work, 1));
     const int64_t stride = start + t + 16;  // tile_avx512 stores whole vectors of 16 scores
     at::parallel_for(0, nt * per, grain, [&](int64_t i0, int64_t i1) {
-      std::vector<float> buf(hc * pos * stride), acc(hc * pos * (d + 1));
-      std::vector<const float*> qs(hc * pos);
-      std::vector<float*> os(hc * pos);
-      std::vector<int64_t> ns(hc * pos);
+      // each thread's scratch, kept between calls (zeroed as new vectors would be, without the allocations)
+      thread_local std::vector<float> buf, acc;
+      thread_local std::vector<const float*> qs;
+      thread_local std::vector<float*> os;
+      thread_local std::vector<int64_t> ns;
+      buf.assign(hc * pos * stride, 0.f), acc.assign(hc * pos * (d + 1), 0.f);
+      qs.assign(hc * pos, nullptr), os.assign(hc * pos, nullptr), ns.assign(hc * pos, 0);
       for (int64_t i = i0; i < i1; i++) {
         // tiles in the order 0, last, 1, last - 1, ...: a thread's contiguous share of them is then as much
         // work as another's although later positions attend to more keys
@@ -369,7 +372,8 @@ void rotate_rows(const float* xp, const float* cp, const float* sp, float* qp, K
                  int64_t start, int64_t h, int64_t hkv, int64_t d, int64_t ks0, int64_t ks1, int64_t vs0,
                  int64_t vs1, bool f16c) {
   const int64_t half = d / 2, row = (h + 2 * hkv) * d;
-  std::vector<float> tmp(d);
+  thread_local std::vector<float> tmp;  // kept between calls: no allocation per call
+  tmp.resize(d);
   for (int64_t i = i0; i < i1; i++) {
     const float *c = cp + i * d, *sg = sp + i * d;
     for (int64_t j = 0; j < h + hkv; j++) {
