@@ -16,6 +16,7 @@ import time
 import torch
 
 from . import kernels
+from .decoding.speculative import HEAD_FIRST_ROWS
 
 
 def _time_rounds(fns: dict, repeats: int) -> dict:
@@ -50,9 +51,15 @@ def profile_pipeline(pipe, sizes: list[int], context: int = 128, repeats: int = 
         cache.crop(context)
         target(prompt[:, :b], cache, logits="all" if b > 1 else "last", taps=taps)
 
+    def short(b):  # a greedy cycle that keeps fewer than HEAD_FIRST_ROWS drafts: the head on those rows only
+        cache.crop(context)
+        target.head(target(prompt[:, :b], cache, logits="rows", taps=taps).final[:HEAD_FIRST_ROWS])
+
     fns = {("decode", 1): lambda: step(1)}
     for b in sizes:
         fns[("verify", b)] = lambda b=b: step(b)
+        if b > HEAD_FIRST_ROWS and getattr(target, "defers_head", None) is not None and target.defers_head(b):
+            fns[("short", b)] = lambda b=b: short(b)
         if drafter is not None and 1 < b <= drafter.block_size:
             dcache = drafter.new_cache(context + b + 1)
             block = torch.full((1, b), drafter.mask_token_id, dtype=torch.long, device=device)
@@ -74,7 +81,8 @@ def profile_pipeline(pipe, sizes: list[int], context: int = 128, repeats: int = 
     t = _time_rounds(fns, repeats)
     return {"context": context, "decode_s": t[("decode", 1)],
             "verify_s": {b: t[("verify", b)] for b in sizes},
-            "draft_s": {b: t[("draft", b)] for b in sizes if ("draft", b) in t}}
+            "draft_s": {b: t[("draft", b)] for b in sizes if ("draft", b) in t},
+            "verify_short_s": {b: t[("short", b)] for b in sizes if ("short", b) in t}}
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -99,6 +107,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         ratio = (v + dr) / d
         ceil = " ".join(f"{t / ratio:6.2f}" for t in (2, 3, 4))
         print(f"{b:>3} {v * 1e3:>10.2f} {dr * 1e3:>9.2f} {ratio:>13.2f}  {ceil}")
+    if r["verify_short_s"]:  # greedy verify passes run the LM head on the rows they read (speculative._accept)
+        print(f"verify passes that keep fewer than {HEAD_FIRST_ROWS} drafts (the LM head on {HEAD_FIRST_ROWS} "
+              "rows): " + ", ".join(f"B={b} {s * 1e3:.2f} ms ({s / d:.2f} decode steps)"
+                                   for b, s in r["verify_short_s"].items()))
     if args.ops:
         from torch.profiler import ProfilerActivity, profile
 

@@ -117,3 +117,39 @@ def test_flat_path_equals_layer_modules(quantized, fmt, threads):
                 assert all(torch.equal(a, b) for a, b in zip(outs[0], other)), (kind, t, threads)
         if kernels.ensure() == "compiled":
             assert isinstance(target._plan[(True, True)], NativeLayers) == (kind != "qwen3"), kind
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@torch.inference_mode()
+def test_deferred_head_gives_the_whole_heads_rows_and_choices(quantized, fmt):
+    """A verify pass that leaves its LM head for later (`logits="rows"`) and runs it on any split of its rows
+    gives the logits of `logits="all"` bit for bit, and the loop's acceptance from it (the head on the first
+    rows, the rest only if their drafts are all kept) keeps the same drafts and the same next token."""
+    from dflash_torch.decoding import speculative
+    from dflash_torch.decoding.sampling import Sampler
+
+    rng = random.Random(4)
+    rules = speculative.Rules(Sampler(), None, None)
+    for kind, target, _ in quantized[fmt]:
+        assert target.defers_head(16) and not target.defers_head(1), kind
+        for _ in range(4):
+            prompt = [rng.randrange(255) for _ in range(rng.randint(1, 20))]
+            block = [rng.randrange(255) for _ in range(rng.choice((5, 8, 16)))]
+            c1, c2 = target.new_cache(64), target.new_cache(64)
+            target(torch.tensor([prompt]), c1, logits=None)
+            target(torch.tensor([prompt]), c2, logits=None)
+            whole = target(torch.tensor([block]), c1, logits="all", taps=(0, 1))
+            rows = target(torch.tensor([block]), c2, logits="rows", taps=(0, 1))
+            assert rows.logits is None and torch.equal(rows.hidden, whole.hidden)
+            cut = rng.randint(1, len(block) - 1)
+            split = torch.cat([target.head(rows.final[:cut]), target.head(rows.final[cut:])])
+            assert torch.equal(split, whole.logits[0]), (kind, cut)
+            choice = whole.logits[0].argmax(-1).tolist()
+            for keep in (0, 2, speculative.HEAD_FIRST_ROWS - 1, speculative.HEAD_FIRST_ROWS, len(block) - 1):
+                keep = min(keep, len(block) - 1)  # drafts equal to the target's choices up to `keep`, then not
+                drafts = torch.tensor([choice[i] if i < keep else (choice[i] + 1) % 255
+                                       for i in range(len(block) - 1)])
+                want = speculative._accept(target, whole, drafts, None, rules)
+                got = speculative._accept(target, rows, drafts, None, rules)
+                assert got[:2] == want[:2] == (keep, choice[keep]), (kind, keep)
+                assert torch.equal(got[2], want[2][: got[2].shape[0]]) and got[2].shape[0] > keep

@@ -300,8 +300,9 @@ def _speculate(target, token: int, cache, proposers: list, rules: Rules, taps, m
                 break
         draft = draft or plain_step(token, device)
         drafts = draft.block[0, 1:]
-        out = target(draft.block, cache, logits="all", taps=taps)  # verify: logits at every block position
-        accepted, bonus = rules.sampler.verify(drafts, rules.logits(out.logits[0], drafts), draft.probs)
+        defer = _defers_head(target, draft.width, rules)  # the LM head on the rows read, not on every row
+        out = target(draft.block, cache, logits="rows" if defer else "all", taps=taps)  # verify
+        accepted, bonus, logits = _accept(target, out, drafts, draft.probs, rules)
         new = _committed(drafts[:accepted].tolist() + [bonus], remaining, stops)
         rules.commit(new)
         cache.crop(pos + len(new))  # keep token + the accepted drafts; the last new token is not in yet
@@ -312,11 +313,43 @@ def _speculate(target, token: int, cache, proposers: list, rules: Rules, taps, m
         stats.generated_tokens += len(new)
         stats.decode_s = now - t0
         if logprobs is not None:  # token i of `new` was chosen from row i of the verify pass
-            logprobs.add(out.logits[0], new)
+            logprobs.add(logits, new)
         yield from new
         token = new[-1]
         if token in stops or stats.generated_tokens >= max_new_tokens:
             return
+
+
+# A verify pass whose LM head waits (`_defers_head`) runs it on this many rows first, and on the rest only
+# if every draft among them was kept: most passes keep few drafts, and a head over 4 rows costs about
+# a third of one over 16 (the block kernels are compute-bound there; docs/performance.md, "The LM head on
+# the rows read").
+HEAD_FIRST_ROWS = 4
+
+
+def _defers_head(target, width: int, rules: Rules) -> bool:
+    # only where the choice of row i reads nothing but row i's logits (greedy, no penalties, no grammar)
+    # and the head computes each row as if alone (the block kernels): then it is the same choice
+    return (width > HEAD_FIRST_ROWS and rules.sampler.greedy and rules.history is None
+            and rules.constraint is None and getattr(target, "defers_head", None) is not None
+            and target.defers_head(width))
+
+
+def _accept(target, out, drafts: torch.Tensor, probs, rules: Rules) -> tuple[int, int, torch.Tensor]:
+    """(drafts kept, the target's next token, the logits [n, V] of the verify pass's rows 0..n-1, which
+    hold every row the kept tokens were chosen from). From a pass with its head deferred (`out.final`),
+    the head runs on the first HEAD_FIRST_ROWS rows and on the others only if all drafts there are kept."""
+    if out.final is None:
+        logits = out.logits[0]
+        accepted, bonus = rules.sampler.verify(drafts, rules.logits(logits, drafts), probs)
+        return accepted, bonus, logits
+    n = HEAD_FIRST_ROWS
+    logits = target.head(out.final[:n])  # [n, V]
+    accepted, bonus = rules.sampler.verify(drafts[: n - 1], logits, None)
+    if accepted == n - 1 and int(drafts[n - 1]) == bonus:  # the first n drafts kept: the others are read
+        logits = torch.cat([logits, target.head(out.final[n:])])
+        accepted, bonus = rules.sampler.verify(drafts, logits, None)
+    return accepted, bonus, logits
 
 
 def _device(target) -> torch.device:

@@ -150,13 +150,15 @@ class LlamaModel(nn.Module):
 
 
 class Output:
-    """What a forward pass returns: logits [B, T', V] for the positions asked for, and the
-    concatenated tap hidden states [B, T, n_taps * H] (None when no taps were asked for)."""
+    """What a forward pass returns: logits [B, T', V] for the positions asked for, the concatenated tap
+    hidden states [B, T, n_taps * H] (None when no taps were asked for), and with `logits="rows"` the last
+    layer's output [T, H] for `Model.head` to take the logits of any rows of it later."""
 
-    __slots__ = ("logits", "hidden")
+    __slots__ = ("logits", "hidden", "final")
 
-    def __init__(self, logits: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
-        self.logits, self.hidden = logits, hidden
+    def __init__(self, logits: torch.Tensor | None, hidden: torch.Tensor | None,
+                 final: torch.Tensor | None = None) -> None:
+        self.logits, self.hidden, self.final = logits, hidden, final
 
 
 class Model(nn.Module):
@@ -213,7 +215,8 @@ class Model(nn.Module):
     ) -> Output:
         """Run `input_ids` [B, T] at positions [cache.length, cache.length + T) and advance the cache.
 
-        `logits`: "all", "last" or None. `taps`: target layer ids whose outputs to return
+        `logits`: "all", "last" or None, or "rows" where `defers_head(T)`: no logits, the last layer's
+        output in `Output.final` for `head`. `taps`: target layer ids whose outputs to return
         (the output of layer i, i.e. transformers' hidden_states[i + 1]).
         `positions` [T] (static shapes, for CUDA graphs): run at these positions instead, attending over
         the whole cache with a mask; nothing depends on a Python int and `cache.length` is left to the caller.
@@ -245,6 +248,8 @@ class Model(nn.Module):
         if not static:
             cache.length = start + t
         hidden = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
+        if logits == "rows":
+            return Output(None, hidden, x[0])
         out = None
         if logits == "last":
             out = self.lm_head(self.model.norm(x[:, -1:]))
@@ -255,6 +260,25 @@ class Model(nn.Module):
     def _apply(self, fn, recurse=True):
         self._plan = None  # .to() / .half() may replace tensors the decode plan holds
         return super()._apply(fn, recurse)
+
+    def defers_head(self, t: int) -> bool:
+        """Whether a pass of t tokens can leave its LM head for later (`logits="rows"`, then `head` on any
+        rows): the same bits as `logits="all"` where the head is the block kernels, whose every output row
+        is computed as if alone, and the pass takes the flat path."""
+        norm, head = self.model.norm, self.lm_head
+        return (self.flat and t > 1 and self._each_query(t) and type(head) is BlockLinear and head.bias is None
+                and type(norm) is RMSNorm and norm.kernel and norm.weight.dtype == torch.float32
+                and self.model.embed_tokens.weight.dtype == torch.float32)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits [T, V] of the last layer's output rows x [T, H]: the final norm, then the LM head."""
+        norm, head = self.model.norm, self.lm_head
+        if (type(head) is BlockLinear and head.bias is None and type(norm) is RMSNorm
+                and norm.kernel and x.dtype == torch.float32 and norm.weight.dtype == torch.float32):
+            # the final norm inside the LM head's matmul (block_mm_norm: the same bits, one call fewer)
+            return torch.ops.dflash.block_mm_norm(x, norm.weight, norm.eps, head.packed, head.code,
+                                                  head.out_features, -1)
+        return head(norm(x))
 
     def _each_query(self, t: int) -> bool:
         a = self.model.layers[0].self_attn  # quantize.py sets these on every layer alike
@@ -319,17 +343,9 @@ class Model(nn.Module):
             hidden = torch.cat([by_layer[i] for i in taps], dim=-1)[None]  # [1, T, n * H]
         else:
             hidden = None
-        out = None
-        if logits:
-            x = x[-1:] if logits == "last" else x
-            norm, head = self.model.norm, self.lm_head
-            if (type(head) is BlockLinear and head.bias is None and type(norm) is RMSNorm
-                    and norm.kernel and x.dtype == torch.float32 and norm.weight.dtype == torch.float32):
-                # the final norm inside the LM head's matmul (block_mm_norm: the same bits, one call fewer)
-                out = torch.ops.dflash.block_mm_norm(x, norm.weight, norm.eps, head.packed, head.code,
-                                                     head.out_features, -1)[None]  # [1, T', V]
-            else:
-                out = head(norm(x))[None]  # [1, T', V]
+        if logits == "rows":
+            return Output(None, hidden, x)
+        out = self.head(x[-1:] if logits == "last" else x)[None] if logits else None  # [1, T', V]
         return Output(out, hidden)
 
 
