@@ -153,3 +153,46 @@ def test_deferred_head_gives_the_whole_heads_rows_and_choices(quantized, fmt):
                 got = speculative._accept(target, rows, drafts, None, rules)
                 assert got[:2] == want[:2] == (keep, choice[keep]), (kind, keep)
                 assert torch.equal(got[2], want[2][: got[2].shape[0]]) and got[2].shape[0] > keep
+
+
+@pytest.mark.parametrize("fmt", ("q4_0", "q8_0"))
+@pytest.mark.parametrize("threads", [1, 2])
+@torch.inference_mode()
+def test_decode_region_equals_layer_modules_after_long_contexts(tmp_path, fmt, threads):
+    """A decode step of the C++ stack runs in one parallel region (kernels/layers.cpp, decode_region: the
+    matmuls' columns and the attention's kv heads split between the threads, barriers between the steps).
+    Its logits, taps and cache are the layer modules' bit for bit after short and long contexts (from 512
+    keys the per-call attention splits a decode step by keys instead: the same bits), with the tapped layers
+    listed out of order and twice."""
+    from dflash_torch.models.llama import NativeLayers
+
+    from .conftest import make_hf_model
+
+    path = make_hf_model("llama", tmp_path / "t", seed=3, max_position_embeddings=1024, num_attention_heads=6,
+                         num_key_value_heads=3, hidden_size=96, intermediate_size=192)
+    target = quantize_blocks(loading.load_target(path, torch.device("cpu"), torch.float32), fmt)
+    exact_prefill(target)
+    rng = random.Random(fmt)
+    before = torch.get_num_threads()
+    try:
+        for context in (3, 300, 700):
+            prompt = [rng.randrange(255) for _ in range(context)]
+            runs = []
+            for native, n_threads in ((True, threads), (False, 1)):
+                target.flat, target.native = native, native
+                torch.set_num_threads(n_threads)
+                cache = target.new_cache(context + 8)
+                target(torch.tensor([prompt]), cache, logits=None)
+                out = []
+                for tok in (5, 17, 250, 3):
+                    r = target(torch.tensor([[tok]]), cache, logits="last", taps=(4, 1, 4))
+                    out += [r.logits, r.hidden]
+                n = cache.length
+                runs.append((out, cache.k[..., :n, :].clone(), cache.v[..., :n, :].clone()))
+            (a, ka, va), (b, kb, vb) = runs
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), (context, threads)
+            assert torch.equal(ka, kb) and torch.equal(va, vb), context
+        assert target.cache_dtype == torch.float16 and isinstance(target._plan[(True, True)], NativeLayers)
+    finally:
+        target.flat, target.native = True, True
+        torch.set_num_threads(before)

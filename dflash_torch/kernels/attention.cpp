@@ -232,15 +232,11 @@ int64_t tile_positions(int64_t t, int64_t most, int64_t per, int64_t threads) {
   return std::min(t, most);
 }
 
-// query heads t * h of q [T, H, D] against a cache k, v [Hkv, S, D] of KV (float or float16) into out
+// the tile for hc query heads at pos positions (of t) after start keys, head size d, on path isa (lowered to
+// the AVX2 path where that is the one taken); null: the scalar loop
 template <typename KV>
-void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start, double scale,
-            int64_t isa, torch::Tensor& out) {
-  const int64_t t = q.size(0), h = q.size(1), d = q.size(2), hkv = k.size(0);
+Tile<KV> pick_tile(int64_t& isa, int64_t hc, int64_t pos, int64_t t, int64_t start, int64_t d) {
   Tile<KV> tile = nullptr;
-  // a tile: up to 32 query heads of one kv head's group (hc of them) at pos consecutive positions
-  const int64_t group = h / hkv, hc = std::min<int64_t>(group, 32), chunks = (group + hc - 1) / hc;
-  const int64_t pos = tile_positions(t, std::max<int64_t>(1, 32 / hc), hkv * chunks, at::get_num_threads());
 #ifdef DFLASH_X86
   // A tile of fewer than 4 queries (a decode step's GQA group) does not repay the AVX-512 path's transposed
   // keys. On a float16 cache two keys per vector pay from about 512 keys (tools/probes/attention_paths_probe.py,
@@ -257,7 +253,21 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   if (isa == 1)
     tile = d == 64 ? tile_avx2<8, KV> : d == 128 ? tile_avx2<16, KV> : d == 32 ? tile_avx2<4, KV>
          : d == 16 ? tile_avx2<2, KV> : d == 256 ? tile_avx2<32, KV> : d == 96 ? tile_avx2<12, KV> : nullptr;
+#else
+  (void)isa, (void)hc, (void)pos, (void)t, (void)start, (void)d;
 #endif
+  return tile;
+}
+
+// query heads t * h of q [T, H, D] against a cache k, v [Hkv, S, D] of KV (float or float16) into out
+template <typename KV>
+void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start, double scale,
+            int64_t isa, torch::Tensor& out) {
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2), hkv = k.size(0);
+  // a tile: up to 32 query heads of one kv head's group (hc of them) at pos consecutive positions
+  const int64_t group = h / hkv, hc = std::min<int64_t>(group, 32), chunks = (group + hc - 1) / hc;
+  const int64_t pos = tile_positions(t, std::max<int64_t>(1, 32 / hc), hkv * chunks, at::get_num_threads());
+  Tile<KV> tile = pick_tile<KV>(isa, hc, pos, t, start, d);
   const float* qp = q.data_ptr<float>();
   const KV* kp = k.data_ptr<KV>();
   const KV* vp = v.data_ptr<KV>();
@@ -423,7 +433,65 @@ torch::Tensor rope_attention(const torch::Tensor& qkv_in, const torch::Tensor& c
   return causal_attention(q, k, v, start, scale, -1);
 }
 
+template <typename KV>
+void decode_attend_t(const float* qp, const DecodeCache& c, int64_t start, int64_t h, float scale, int64_t i0,
+                     int64_t i1, float* op) {
+  const int64_t d = c.d, group = h / c.hkv, hc = std::min<int64_t>(group, 32);
+  const int64_t chunks = (group + hc - 1) / hc, n = start + 1;
+  const KV* kp = static_cast<const KV*>(c.k);
+  const KV* vp = static_cast<const KV*>(c.v);
+  int64_t isa = attention_isa();
+  // attend's tile for one position (tile_positions gives 1 for t = 1), or its scalar loop
+  const Tile<KV> tile = pick_tile<KV>(isa, hc, 1, 1, start, d);
+  const int64_t stride = n + 16;
+  thread_local std::vector<float> buf, acc;
+  thread_local std::vector<const float*> qs;
+  thread_local std::vector<float*> os;
+  thread_local std::vector<int64_t> ns;
+  if (tile) buf.assign(hc * stride, 0.f), acc.assign(hc * (d + 1), 0.f);
+  else buf.assign(n + 8, 0.f);
+  qs.assign(hc, nullptr), os.assign(hc, nullptr), ns.assign(hc, n);
+  for (int64_t i = i0; i < i1; i++) {
+    const int64_t g = i / chunks, h0 = g * group + (i % chunks) * hc, h1 = std::min(h0 + hc, (g + 1) * group);
+    if (tile) {
+      int count = 0;
+      for (int64_t hi = h0; hi < h1; hi++, count++) qs[count] = qp + hi * d, os[count] = op + hi * d;
+      tile(qs.data(), ns.data(), count, kp + g * c.khs, c.ks, vp + g * c.vhs, c.vs, scale, buf.data(), stride,
+           acc.data(), os.data());
+    } else {
+      for (int64_t hi = h0; hi < h1; hi++)
+        query_scalar(qp + hi * d, kp + g * c.khs, c.ks, vp + g * c.vhs, c.vs, n, d, scale, buf.data(), op + hi * d);
+    }
+  }
+}
+
 }  // namespace
+
+namespace dflash_attention {
+
+void decode_rotate(const float* qkv, const float* cos, const float* ssin, float* q, const DecodeCache& c,
+                   int64_t start, int64_t h) {
+  const bool f16c = attention_isa() >= 1;
+  if (c.half)
+    rotate_rows(qkv, cos, ssin, q, static_cast<at::Half*>(c.k), static_cast<at::Half*>(c.v), 0, 1, start, h, c.hkv,
+                c.d, c.khs, c.ks, c.vhs, c.vs, f16c);
+  else
+    rotate_rows(qkv, cos, ssin, q, static_cast<float*>(c.k), static_cast<float*>(c.v), 0, 1, start, h, c.hkv, c.d,
+                c.khs, c.ks, c.vhs, c.vs, f16c);
+}
+
+int64_t decode_tasks(int64_t h, int64_t hkv) {
+  const int64_t group = h / hkv, hc = std::min<int64_t>(group, 32);
+  return hkv * ((group + hc - 1) / hc);
+}
+
+void decode_attend(const float* q, const DecodeCache& c, int64_t start, int64_t h, double scale, int64_t i0,
+                   int64_t i1, float* out) {
+  if (c.half) decode_attend_t<at::Half>(q, c, start, h, (float)scale, i0, i1, out);
+  else decode_attend_t<float>(q, c, start, h, (float)scale, i0, i1, out);
+}
+
+}  // namespace dflash_attention
 
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("causal_attention(Tensor q, Tensor k, Tensor v, int start, float scale, int isa=-1) -> Tensor");

@@ -101,4 +101,19 @@ bool decode_split_half(const float* q, const at::Half* k, int64_t ks, int64_t kh
                        int64_t vhs, int64_t n, int64_t t, int64_t h, int64_t hkv, int64_t d, float scale, float* out);
 #endif
 
+// A decode step's attention in parts, for a caller that runs them on its own threads (layers.cpp):
+// decode_rotate (one thread: q [H, D] rotated out of qkv [(H + 2 Hkv) D], k and v rotated and written at
+// position start of one layer's cache), then decode_attend on [i0, i1) of decode_tasks(h, hkv) tasks (each
+// thread its share) into out [H * D]: rope_attention's bits for one position.
+struct DecodeCache {  // one layer's cache [Hkv, S, D]: float16 or float32, strides in elements
+  void *k, *v;
+  bool half;
+  int64_t hkv, d, khs, ks, vhs, vs;
+};
+void decode_rotate(const float* qkv, const float* cos, const float* ssin, float* q, const DecodeCache& c,
+                   int64_t start, int64_t h);
+int64_t decode_tasks(int64_t h, int64_t hkv);
+void decode_attend(const float* q, const DecodeCache& c, int64_t start, int64_t h, double scale, int64_t i0,
+                   int64_t i1, float* out);
+
 }  // namespace dflash_attention

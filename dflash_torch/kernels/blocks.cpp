@@ -355,7 +355,6 @@ void rows_avx2(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t
 
 // ---- dispatch ----
 
-enum Isa : int64_t { SCALAR = 0, AVX2 = 1, VNNI = 2, AMX = 3 };
 // Below this many rows the 512-bit VNNI path is faster: up to 8 rows its sums stay in registers, while a
 // tile's fixed costs (the unpacking to bytes, the sums stored and reloaded) outweigh a few rows' work. With
 // the 512-bit path this holds for Q8_0 too (`python tools/kernel_ab.py HEAD --isa 2 --new-isa 3`: AMX 2-47%
@@ -441,6 +440,101 @@ void check_packed(const torch::Tensor& packed, int64_t fmt, int64_t n, int64_t k
               " bytes, a ", n, "x", k, " matrix needs ", groups * (k / QK) * group_bytes(fmt));
 }
 
+}  // namespace
+
+namespace dflash_blocks {
+
+void mm_setup(MmCall& c, MmScratch& scratch, int64_t fmt, int64_t isa, bool asked, const uint8_t* wp, int64_t n,
+              int64_t k, int64_t m, const float* x, const float* norm_w, float eps, float* y, const float* res) {
+  const int64_t nb = k / QK;
+  // AMX where asked for, or where it is the best path and the rows fill enough of a tile; else VNNI
+  const bool amx = isa == AMX && (asked || m >= amx_min_rows());
+  if (isa == AMX && !amx) isa = VNNI;
+  const int64_t mpad = amx && m > 16 ? (m + 15) / 16 * 16 : m;  // AMX reads whole 16-row tiles past 16 rows
+  scratch.q.resize(mpad * k);
+  std::memset(scratch.q.data() + m * k, 0, (mpad - m) * k);
+  scratch.d.resize(m * nb);
+  scratch.ds.resize(m * nb);
+  scratch.s.resize(m * nb);
+  const bool unsigned_q8 = fmt == Q8_0 && isa == VNNI;
+  if (unsigned_q8) scratch.u.resize(m * k);
+  const bool start_q4_0 = fmt == Q4_0 && isa == VNNI;  // the VNNI sums start at -8 * s: no shift, no subtract
+  if (start_q4_0) scratch.s8.resize(m * nb);
+  const int64_t groups = (n + GROUP - 1) / GROUP;
+  const bool wide = amx || isa == VNNI;
+  c = MmCall{fmt, isa, amx, wide, m, n, k, nb, groups, nb * group_bytes(fmt), wide ? (groups + 1) / 2 : groups,
+             wp, x, norm_w, eps, y, res,
+             scratch.q.data(), scratch.d.data(), scratch.ds.data(), scratch.s.data(),
+             start_q4_0 ? scratch.s8.data() : nullptr, unsigned_q8 ? scratch.u.data() : nullptr};
+}
+
+// rows [r0, r1) of x (normalized first where the call has a norm weight): quants, scales, sums, Q4_1's d * sum
+void mm_quantize(const MmCall& c, int64_t r0, int64_t r1) {
+  thread_local std::vector<float> normed;  // the row normalized (block_mm_norm)
+  if (c.norm_w != nullptr) normed.resize(c.k);
+  const int64_t k = c.k, nb = c.nb;
+  for (int64_t r = r0; r < r1; r++) {
+    const float* row = c.x + r * k;
+    if (c.norm_w != nullptr) {
+      dflash_norm::norm_row(row, c.norm_w, k, c.eps, normed.data());
+      row = normed.data();
+    }
+#ifdef DFLASH_X86
+    if (c.isa >= AVX2)
+      quantize_row_avx2(row, k, c.q + r * k, c.d + r * nb, c.s + r * nb);
+    else
+#endif
+      quantize_row_scalar(row, k, c.q + r * k, c.d + r * nb, c.s + r * nb);
+    for (int64_t i = r * nb; i < (r + 1) * nb; i++) c.ds[i] = c.d[i] * (float)c.s[i];  // rounded once
+    if (c.s8 != nullptr)
+      for (int64_t i = r * nb; i < (r + 1) * nb; i++) c.s8[i] = -8 * c.s[i];
+    if (c.u != nullptr)
+      for (int64_t i = r * k; i < (r + 1) * k; i++) c.u[i] = (uint8_t)c.q[i] ^ 0x80;
+  }
+}
+
+// output column units [u0, u1) (tiles of 16 columns: AMX tiles or pairs of VNNI column groups; else groups of 8)
+void mm_columns(const MmCall& c, int64_t u0, int64_t u1) {
+  if (u0 >= u1) return;
+  const Rows rows{c.q, c.d, c.s, c.ds, c.s8, c.u, c.k, c.nb};
+  const int64_t fmt = c.fmt, m = c.m, n = c.n, nb = c.nb;
+  if (c.wide) {
+#ifdef DFLASH_X86
+#ifdef DFLASH_AMX
+    if (c.amx)
+      columns_amx(fmt, c.wp, c.gstride, c.groups, nb, rows, m, u0, u1, c.y, n, c.res);
+    else
+#endif
+      columns_vnni(fmt, c.wp, c.gstride, c.groups, nb, rows, m, u0, u1, c.y, n, c.res);
+#endif
+    return;
+  }
+  float acc[TILE_ROWS * GROUP];
+  for (int64_t t0 = 0; t0 < m; t0 += TILE_ROWS) {
+    const int64_t t1 = std::min(m, t0 + TILE_ROWS);
+    for (int64_t g = u0; g < u1; g++) {
+      std::memset(acc, 0, sizeof(float) * (t1 - t0) * GROUP);
+      const uint8_t* wg = c.wp + g * c.gstride;
+#ifdef DFLASH_X86
+      if (c.isa == AVX2 && t1 - t0 <= avx2_tile_rows())
+        rows_avx2(fmt, wg, nb, rows, t0, t1, acc);
+      else if (c.isa == AVX2)
+        tile_avx2(fmt, wg, nb, rows, t0, t1, acc);
+      else
+#endif
+        tile_scalar(fmt, wg, nb, rows, t0, t1, acc);
+      const int64_t cols = std::min<int64_t>(GROUP, n - g * GROUP);
+      store_rows(c.y, c.res, n, t0, t1 - t0, g * GROUP, cols, acc, GROUP);
+    }
+  }
+}
+
+int64_t resolve_isa(int64_t isa) { return resolve(isa); }
+
+}  // namespace dflash_blocks
+
+namespace {
+
 // y [M, N] = x [M, K] @ W^T (+ r [M, N]: a residual added to each output, as `r + y` would); with norm_w,
 // each row of x is first normalized as rms_norm(x, norm_w, eps) would (on the way to its quantization:
 // no separate call, and in a verify pass the threads share the rows)
@@ -448,7 +542,7 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
                             int64_t isa, const torch::Tensor* residual, const torch::Tensor* norm_w = nullptr,
                             double eps = 0.0) {
   TORCH_CHECK(x_in.dim() == 2, "block_mm takes x [M, K]");
-  const int64_t m = x_in.size(0), k = x_in.size(1), nb = k / QK;
+  const int64_t m = x_in.size(0), k = x_in.size(1);
   check_packed(packed, fmt, n, k);
   torch::Tensor nw;
   if (norm_w != nullptr) {
@@ -456,125 +550,41 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
                 "block_mm_norm: a float32 norm weight of ", k, " values");
     nw = norm_w->contiguous();
   }
-  const float* nwp = norm_w != nullptr ? nw.data_ptr<float>() : nullptr;
-  const float feps = (float)eps;
   const bool asked = isa >= 0;
   isa = resolve(isa);
-  // AMX where asked for, or where it is the best path and the rows fill enough of a tile; else VNNI
-  const bool amx = isa == AMX && (asked || m >= amx_min_rows());
-  if (isa == AMX && !amx) isa = VNNI;
   torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
-  // the activations' quants and scales: scratch reused across calls (no allocation per call)
-  thread_local std::vector<int8_t> qbuf;
-  thread_local std::vector<float> dbuf, dsbuf;
-  thread_local std::vector<int32_t> sbuf, s8buf;
-  thread_local std::vector<uint8_t> ubuf;  // Q8_0 on the 512-bit VNNI path: the quants + 128, unsigned
-  const int64_t mpad = amx && m > 16 ? (m + 15) / 16 * 16 : m;  // AMX reads whole 16-row tiles past 16 rows
-  qbuf.resize(mpad * k);
-  std::memset(qbuf.data() + m * k, 0, (mpad - m) * k);
-  dbuf.resize(m * nb);
-  dsbuf.resize(m * nb);
-  sbuf.resize(m * nb);
-  const bool unsigned_q8 = fmt == Q8_0 && isa == VNNI;
-  if (unsigned_q8) ubuf.resize(m * k);
-  const bool start_q4_0 = fmt == Q4_0 && isa == VNNI;  // the VNNI sums start at -8 * s: no shift, no subtract
-  if (start_q4_0) s8buf.resize(m * nb);
-  // raw pointers: the buffers are the calling thread's, and the other threads of the region write into them
-  const float* xp = x.data_ptr<float>();
-  int8_t* qp = qbuf.data();
-  float *dp = dbuf.data(), *dsp = dsbuf.data();
-  int32_t* sp = sbuf.data();
-  int32_t* s8p = start_q4_0 ? s8buf.data() : nullptr;
-  uint8_t* up = unsigned_q8 ? ubuf.data() : nullptr;
-  auto quantize = [=](int64_t r0, int64_t r1) {  // rows [r0, r1): quants, scales, sums, Q4_1's d * sum
-    thread_local std::vector<float> normed;  // the row normalized (block_mm_norm)
-    if (nwp != nullptr) normed.resize(k);
-    for (int64_t r = r0; r < r1; r++) {
-      const float* row = xp + r * k;
-      if (nwp != nullptr) {
-        dflash_norm::norm_row(row, nwp, k, feps, normed.data());
-        row = normed.data();
-      }
-#ifdef DFLASH_X86
-      if (isa >= AVX2)
-        quantize_row_avx2(row, k, qp + r * k, dp + r * nb, sp + r * nb);
-      else
-#endif
-        quantize_row_scalar(row, k, qp + r * k, dp + r * nb, sp + r * nb);
-      for (int64_t i = r * nb; i < (r + 1) * nb; i++) dsp[i] = dp[i] * (float)sp[i];  // rounded once
-      if (s8p != nullptr)
-        for (int64_t i = r * nb; i < (r + 1) * nb; i++) s8p[i] = -8 * sp[i];
-      if (up != nullptr)
-        for (int64_t i = r * k; i < (r + 1) * k; i++) up[i] = (uint8_t)qp[i] ^ 0x80;
-    }
-  };
-  const Rows rows{qp, dp, sp, dsp, s8p, up, k, nb};
-  const float* rp = nullptr;
   torch::Tensor r;
   if (residual != nullptr) {
     TORCH_CHECK(residual->dim() == 2 && residual->size(0) == m && residual->size(1) == n &&
                     residual->scalar_type() == torch::kFloat32, "the residual must be float32 [M, N]");
     r = residual->contiguous();
-    rp = r.data_ptr<float>();
   }
   auto y = torch::empty({m, n}, torch::kFloat32);
-  float* yp = y.data_ptr<float>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const int64_t groups = (n + GROUP - 1) / GROUP, gstride = nb * group_bytes(fmt);
+  // the activations' quants and scales: the calling thread's scratch, reused across calls (no allocation
+  // per call); the other threads of the region write into it through the call's raw pointers
+  thread_local MmScratch scratch;
+  MmCall c;
+  mm_setup(c, scratch, fmt, isa, asked, packed.data_ptr<uint8_t>(), n, k, m, x.data_ptr<float>(),
+           norm_w != nullptr ? nw.data_ptr<float>() : nullptr, (float)eps, y.data_ptr<float>(),
+           residual != nullptr ? r.data_ptr<float>() : nullptr);
   // One parallel region for both steps: each thread quantizes its share of the rows, and after a barrier
-  // takes its share of the output columns: tiles of 16 (AMX tiles, or pairs of column groups for VNNI),
-  // else column groups of 8. A verify pass's rows are quantized in parallel, and the call forks once.
-  const bool wide = amx || isa == VNNI;
-  const int64_t units = wide ? (groups + 1) / 2 : groups;
-  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  // takes its share of the output columns. A verify pass's rows are quantized in parallel, and the call
+  // forks once.
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), c.units));
   // Fewer rows than threads (a decode step's one): the calling thread quantizes them before the fork, and
   // the region has no barrier inside (the others would only wait at it; ~1% of a decode step).
   const bool before = m < threads;
-  if (before) quantize(0, m);
+  if (before) mm_quantize(c, 0, m);
 #pragma omp parallel num_threads(threads)
   {
     const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
-    auto share = [&](int64_t total) {  // this thread's [begin, end) of total, in nth even chunks
-      const int64_t per = (total + nth - 1) / nth, begin = std::min(total, tid * per);
-      return std::make_pair(begin, std::min(total, begin + per));
-    };
     if (!before) {
-      const auto [r0, r1] = share(m);
-      quantize(r0, r1);
+      const auto [r0, r1] = even_share(m, tid, nth);
+      mm_quantize(c, r0, r1);
 #pragma omp barrier
     }
-    const auto [u0, u1] = share(units);
-    if (wide) {
-#ifdef DFLASH_X86
-      if (u0 < u1) {
-#ifdef DFLASH_AMX
-        if (amx)
-          columns_amx(fmt, wp, gstride, groups, nb, rows, m, u0, u1, yp, n, rp);
-        else
-#endif
-          columns_vnni(fmt, wp, gstride, groups, nb, rows, m, u0, u1, yp, n, rp);
-      }
-#endif
-    } else {
-      float acc[TILE_ROWS * GROUP];
-      for (int64_t t0 = 0; t0 < m; t0 += TILE_ROWS) {
-        const int64_t t1 = std::min(m, t0 + TILE_ROWS);
-        for (int64_t g = u0; g < u1; g++) {
-          std::memset(acc, 0, sizeof(float) * (t1 - t0) * GROUP);
-          const uint8_t* wg = wp + g * gstride;
-#ifdef DFLASH_X86
-          if (isa == AVX2 && t1 - t0 <= avx2_tile_rows())
-            rows_avx2(fmt, wg, nb, rows, t0, t1, acc);
-          else if (isa == AVX2)
-            tile_avx2(fmt, wg, nb, rows, t0, t1, acc);
-          else
-#endif
-            tile_scalar(fmt, wg, nb, rows, t0, t1, acc);
-          const int64_t cols = std::min<int64_t>(GROUP, n - g * GROUP);
-          store_rows(yp, rp, n, t0, t1 - t0, g * GROUP, cols, acc, GROUP);
-        }
-      }
-    }
+    const auto [u0, u1] = even_share(c.units, tid, nth);
+    mm_columns(c, u0, u1);
   }
   return y;
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -79,5 +80,46 @@ void columns_amx(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t groups
                  int64_t m, int64_t t0, int64_t t1, float* y, int64_t n, const float* res);
 bool amx_usable();
 #endif
+
+// One block matmul, for callers that run its two steps inside their own parallel region (block_mm itself,
+// and layers.cpp's decode stack): `mm_setup` on the calling thread, `mm_quantize` on row ranges, a barrier,
+// then `mm_columns` on each thread's share of `units` (even_share). Every row and column is computed alike
+// however the ranges fall, so the bits are block_mm's.
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, VNNI = 2, AMX = 3 };
+
+struct MmScratch {  // the activations' quants and scales, reused across calls
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int32_t> s, s8;
+  std::vector<uint8_t> u;
+};
+
+struct MmCall {
+  int64_t fmt, isa;
+  bool amx, wide;
+  int64_t m, n, k, nb, groups, gstride, units;
+  const uint8_t* wp;
+  const float* x;       // [m, k] float32
+  const float* norm_w;  // RMSNorm weight [k] applied to each row before its quantization, or null
+  float eps;
+  float* y;             // [m, n]
+  const float* res;     // [m, n] added to each output, or null
+  int8_t* q;
+  float *d, *ds;
+  int32_t *s, *s8;
+  uint8_t* u;
+};
+
+// isa: resolved (resolve_isa); asked: the caller named it (then AMX whatever the rows)
+void mm_setup(MmCall& c, MmScratch& scratch, int64_t fmt, int64_t isa, bool asked, const uint8_t* wp, int64_t n,
+              int64_t k, int64_t m, const float* x, const float* norm_w, float eps, float* y, const float* res);
+void mm_quantize(const MmCall& c, int64_t r0, int64_t r1);
+void mm_columns(const MmCall& c, int64_t u0, int64_t u1);
+int64_t resolve_isa(int64_t isa);  // -1: the best this CPU has
+
+inline std::pair<int64_t, int64_t> even_share(int64_t total, int64_t tid, int64_t nth) {  // [begin, end) of tid
+  const int64_t per = (total + nth - 1) / nth, begin = std::min(total, tid * per);
+  return {begin, std::min(total, begin + per)};
+}
 
 }  // namespace dflash_blocks

@@ -11,10 +11,14 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <vector>
+
+#include "attention.h"
+#include "blocks.h"
 
 namespace {
 
@@ -111,6 +115,149 @@ Tensor act_mul(const Tensor& gate, const Tensor& up, int64_t act) {
   return out;
 }
 
+// A decode step (one row) through every layer in one parallel region, its steps apart by barriers: the
+// calling thread (the region's thread 0) normalizes and quantizes each matmul's row (mm_quantize: block_mm's
+// own code), rotates q and k and writes the cache (decode_rotate) and runs the activation (act_mul); every
+// thread takes its share of each matmul's output columns (mm_columns) and of the attention's kv heads
+// (decode_attend). The same functions as the per-call path, so the same bits (tests/test_exact.py,
+// tests/test_fast.py). What it saves is a decode step's ~180 forks and joins of the threads, and the tensors,
+// views and dispatch around them. Returns false (nothing done) where it does not apply: biases, a row that
+// is not float32 [1, H], layers shaped differently.
+bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in, const Tensor& cos,
+                   const Tensor& signed_sin, int64_t pos, Tensor& keys, Tensor& values, at::IntArrayRef taps,
+                   at::TensorList norms, at::TensorList packed, at::IntArrayRef codes,
+                   const c10::List<std::optional<Tensor>>& biases, double eps, int64_t h, int64_t hkv, double scale,
+                   int64_t act) {
+  using namespace dflash_blocks;
+  const int64_t layers = keys.size(0), hid = x_in.size(1), d = keys.size(-1);
+  if (x_in.size(0) != 1 || !x_in.is_contiguous() || keys.dim() != 5 || keys.size(1) != 1 || h * d != hid ||
+      hid % QK || pos + 1 > keys.size(3))
+    return false;
+  const bool half = keys.scalar_type() == at::kHalf;
+  if ((!half && keys.scalar_type() != at::kFloat) || values.scalar_type() != keys.scalar_type() ||
+      keys.stride(4) != 1 || values.stride(4) != 1 || values.sizes() != keys.sizes())
+    return false;
+  if (cos.scalar_type() != at::kFloat || signed_sin.scalar_type() != at::kFloat || !cos.is_contiguous() ||
+      !signed_sin.is_contiguous() || cos.numel() != d || signed_sin.numel() != d)
+    return false;
+  for (int64_t i = 0; i < (int64_t)biases.size(); i++)
+    if (biases.get(i).has_value()) return false;
+  for (const Tensor& n : norms)
+    if (n.scalar_type() != at::kFloat || !n.is_contiguous() || n.numel() != hid) return false;
+  for (const Tensor& w : packed)
+    if (w.scalar_type() != at::kByte || !w.is_contiguous()) return false;
+  const int64_t fqkv = codes[0] / 8, fgu = codes[2] / 8;
+  if (fqkv != (h + 2 * hkv) * d || fgu % (2 * QK)) return false;
+  // every layer shaped alike, and its blocks the size of its matrix (else the per-call path says what is wrong)
+  auto fits = [](const Tensor& w, int64_t code, int64_t k) {
+    return w.numel() == (code / 8 + GROUP - 1) / GROUP * (k / QK) * group_bytes(code % 8) && code % 8 <= Q8_0;
+  };
+  for (int64_t i = 0; i < layers; i++)
+    if (codes[4 * i] / 8 != fqkv || codes[4 * i + 2] / 8 != fgu || codes[4 * i + 1] / 8 != hid ||
+        codes[4 * i + 3] / 8 != hid || !fits(packed[4 * i], codes[4 * i], hid) ||
+        !fits(packed[4 * i + 1], codes[4 * i + 1], hid) || !fits(packed[4 * i + 2], codes[4 * i + 2], hid) ||
+        !fits(packed[4 * i + 3], codes[4 * i + 3], fgu / 2))
+      return false;
+  const int64_t isa = resolve_isa(-1);
+  Tensor x = x_in.clone();  // the residual stream [1, H], updated in place by the o and down projections
+  float* xp = x.data_ptr<float>();
+  Tensor yqkv = at::empty({1, fqkv}, x.options()), ygu = at::empty({1, fgu}, x.options());
+  // the rotated query [H, D] and the attention's output [H * D]: the calling thread's, kept between calls, and
+  // named by pointer in the region (there, a thread_local name is each thread's own)
+  thread_local std::vector<float> qbuf, abuf;
+  qbuf.resize(hid), abuf.resize(hid);
+  float *qv = qbuf.data(), *av = abuf.data();
+  std::vector<int64_t> tap_layers;  // each tapped layer once, in layer order
+  for (int64_t i = 0; i < layers; i++)
+    for (int64_t t : taps)
+      if (t == i) {
+        tap_layers.push_back(i);
+        tapped.push_back(at::empty({1, hid}, x.options()));
+        break;
+      }
+  const int64_t esize = half ? 2 : 4;
+  char* kbase = static_cast<char*>(keys.data_ptr());
+  char* vbase = static_cast<char*>(values.data_ptr());
+  const float *cp = cos.data_ptr<float>(), *sp = signed_sin.data_ptr<float>();
+  const int64_t tasks = dflash_attention::decode_tasks(h, hkv);
+  thread_local MmScratch scratch;  // (used by thread 0 alone: the others read it through c's pointers)
+  MmCall c;  // the current matmul: set by thread 0, read by all after the barrier that follows
+  Tensor a;  // the activation's output, alive until the down projection has read it
+  // every thread of the region takes part in every matmul: as many threads as the fewest column units
+  int64_t units = 0;
+  for (int64_t f : {fqkv, hid, fgu}) {
+    const int64_t groups = (f + GROUP - 1) / GROUP, u = isa >= VNNI ? (groups + 1) / 2 : groups;
+    units = units == 0 ? u : std::min(units, u);
+  }
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  std::exception_ptr error;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    auto step = [&](auto&& serial) {  // thread 0 alone, then everyone past a barrier
+      if (tid == 0 && !error) {
+        try {
+          serial();
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
+#pragma omp barrier
+    };
+    auto columns = [&]() {  // every thread its share of the current matmul's columns, then a barrier
+      if (!error) {
+        const auto [u0, u1] = even_share(c.units, tid, nth);
+        mm_columns(c, u0, u1);
+      }
+#pragma omp barrier
+    };
+    size_t next_tap = 0;
+    for (int64_t i = 0; i < layers; i++) {
+      const dflash_attention::DecodeCache cache{kbase + i * keys.stride(0) * esize, vbase + i * values.stride(0) * esize,
+                                                half, hkv, d, keys.stride(2), keys.stride(3), values.stride(2),
+                                                values.stride(3)};
+      step([&] {
+        mm_setup(c, scratch, codes[4 * i] % 8, isa, false, packed[4 * i].data_ptr<uint8_t>(), fqkv, hid, 1, xp,
+                 norms[2 * i].data_ptr<float>(), (float)eps, yqkv.data_ptr<float>(), nullptr);
+        mm_quantize(c, 0, 1);
+      });
+      columns();
+      step([&] { dflash_attention::decode_rotate(yqkv.data_ptr<float>(), cp, sp, qv, cache, pos, h); });
+      if (!error) {
+        const auto [t0, t1] = even_share(tasks, tid, nth);
+        dflash_attention::decode_attend(qv, cache, pos, h, scale, t0, t1, av);
+      }
+#pragma omp barrier
+      step([&] {
+        mm_setup(c, scratch, codes[4 * i + 1] % 8, isa, false, packed[4 * i + 1].data_ptr<uint8_t>(), hid, hid, 1,
+                 av, nullptr, 0.f, xp, xp);
+        mm_quantize(c, 0, 1);
+      });
+      columns();  // x += o(attn), each thread its own columns
+      step([&] {
+        mm_setup(c, scratch, codes[4 * i + 2] % 8, isa, false, packed[4 * i + 2].data_ptr<uint8_t>(), fgu, hid, 1,
+                 xp, norms[2 * i + 1].data_ptr<float>(), (float)eps, ygu.data_ptr<float>(), nullptr);
+        mm_quantize(c, 0, 1);
+      });
+      columns();
+      step([&] {
+        a = act_mul(ygu.narrow(1, 0, fgu / 2), ygu.narrow(1, fgu / 2, fgu / 2), act);  // [1, I], contiguous
+        mm_setup(c, scratch, codes[4 * i + 3] % 8, isa, false, packed[4 * i + 3].data_ptr<uint8_t>(), hid, fgu / 2,
+                 1, a.data_ptr<float>(), nullptr, 0.f, xp, xp);
+        mm_quantize(c, 0, 1);
+      });
+      columns();  // x += down(a)
+      if (next_tap < tap_layers.size() && tap_layers[next_tap] == i) {
+        if (tid == 0) std::memcpy(tapped[next_tap].data_ptr<float>(), xp, sizeof(float) * hid);
+        next_tap++;  // (every thread counts, so that all take the same branches)
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  x_out = x;
+  return true;
+}
+
 // x [T, H] float32 through every layer; keys/values the cache [L, 1, Hkv, S, D]; per layer 2 norms and 4
 // linear layers (qkv, o, gate_up, down: packed blocks, 8 * out_features + format, optional bias); act 0
 // silu, 1 gelu (tanh), 2 gelu. Returns x and the outputs of the layers listed in taps, in layer order.
@@ -125,9 +272,12 @@ std::tuple<Tensor, std::vector<Tensor>> decoder_stack(
                   (int64_t)biases.size() == 4 * layers,
               "decoder_stack: per layer 2 norms and 4 linear layers, and a cache of as many layers");
   TORCH_CHECK(act >= 0 && act <= 2, "unknown activation code ", act);
-  const Ops& o = ops();
   std::vector<Tensor> tapped;
   Tensor x = x_in;
+  if (decode_region(x, tapped, x_in, cos, signed_sin, pos, keys, values, taps, norms, packed, codes, biases, eps,
+                    h, hkv, scale, act))
+    return {x, tapped};
+  const Ops& o = ops();
   for (int64_t i = 0; i < layers; i++) {
     Tensor qkv = norm_linear(o, x, norms[2 * i], eps, packed[4 * i], codes[4 * i], biases.get(4 * i));
     Tensor k = keys.select(0, i).select(0, 0), v = values.select(0, i).select(0, 0);  // [Hkv, S, D]
