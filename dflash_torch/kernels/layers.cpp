@@ -6,7 +6,8 @@
 // it (block_mm_norm: the norm's own row function on each row before its quantization, the same bits),
 // so its results are FlatLayers' bit for bit (tests/test_fast.py). What it saves is everything between them: a decode step of a small model is a
 // few hundred small operators, and from Python or TorchScript each one costs microseconds of dispatch,
-// boxing and bookkeeping that a compiled loop does not pay.
+// boxing and bookkeeping that a compiled loop does not pay. A decode step (one row) goes further: the whole
+// stack in one parallel region (decode_region), the kernels' own steps called directly.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
