@@ -491,6 +491,28 @@ void decode_attend(const float* q, const DecodeCache& c, int64_t start, int64_t 
   else decode_attend_t<float>(q, c, start, h, (float)scale, i0, i1, out);
 }
 
+DecodePlan decode_plan(const DecodeCache& c, int64_t start, int64_t h) {
+  DecodePlan p{1, {decode_tasks(h, c.hkv), 0, 0}, 0, nullptr, nullptr};
+#ifdef DFLASH_X86
+  // where causal_attention splits a decode step by keys (a float16 cache on the AVX-512 path, from 512 keys)
+  thread_local std::vector<float> scores, z;  // the calling thread's, zeroed as decode_split's
+  if (c.half && attention_isa() == 2 && start + 1 >= 512 && split_tasks(c.d, start + 1, h, c.hkv, p.tasks, p.stride)) {
+    scores.assign(h * p.stride, 0.f), z.assign(h, 0.f);
+    p.steps = 3, p.scores = scores.data(), p.z = z.data();
+  }
+#endif
+  return p;
+}
+
+void decode_step(const DecodePlan& p, int step, int64_t i0, int64_t i1, const float* q, const DecodeCache& c,
+                 int64_t start, int64_t h, double scale, float* out) {
+  if (p.steps == 1) return decode_attend(q, c, start, h, scale, i0, i1, out);
+#ifdef DFLASH_X86
+  split_step_half(step, i0, i1, q, static_cast<const at::Half*>(c.k), c.ks, c.khs, static_cast<const at::Half*>(c.v),
+                  c.vs, c.vhs, start + 1, h, c.hkv, c.d, (float)scale, p.scores, p.stride, p.z, out);
+#endif
+}
+
 }  // namespace dflash_attention
 
 TORCH_LIBRARY_FRAGMENT(dflash, m) {

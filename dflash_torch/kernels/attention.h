@@ -95,6 +95,14 @@ using Tile = void (*)(const float* const*, const int64_t*, int, const KV*, int64
 template <typename KV>
 Tile<KV> tile_avx512_for(int64_t d);
 Tile<at::Half> tile_pairs_half(int64_t d);
+// decode_split_half's three steps for one position (scores by kv head and block of keys, the softmax by
+// query head, the output sums by kv head and dimensions), for a caller that splits each step's tasks over its
+// own threads with a barrier between steps: split_tasks gives the counts and the scores' row stride (false
+// where d has no such path); scores [h, stride] zeroed and z [h] are the caller's
+bool split_tasks(int64_t d, int64_t n, int64_t h, int64_t hkv, int64_t* tasks, int64_t& stride);
+void split_step_half(int step, int64_t i0, int64_t i1, const float* q, const at::Half* k, int64_t ks, int64_t khs,
+                     const at::Half* v, int64_t vs, int64_t vhs, int64_t n, int64_t h, int64_t hkv, int64_t d,
+                     float scale, float* scores, int64_t stride, float* z, float* out);
 // the attention of t query positions (q [t, H, D]; position p attends to n + p keys) over a float16 cache,
 // split evenly over the threads (scores by keys, output sums by dimensions); false where d has no such path
 bool decode_split_half(const float* q, const at::Half* k, int64_t ks, int64_t khs, const at::Half* v, int64_t vs,
@@ -115,5 +123,17 @@ void decode_rotate(const float* qkv, const float* cos, const float* ssin, float*
 int64_t decode_tasks(int64_t h, int64_t hkv);
 void decode_attend(const float* q, const DecodeCache& c, int64_t start, int64_t h, double scale, int64_t i0,
                    int64_t i1, float* out);
+// the attention as causal_attention runs it: by kv heads (one step of decode_tasks tasks), or from 512 keys
+// on a float16 cache on the AVX-512 path by keys and dimensions (three steps, a barrier after each); made by
+// one thread, which owns the scratch it points to
+struct DecodePlan {
+  int steps;
+  int64_t tasks[3];
+  int64_t stride;
+  float *scores, *z;
+};
+DecodePlan decode_plan(const DecodeCache& c, int64_t start, int64_t h);
+void decode_step(const DecodePlan& p, int step, int64_t i0, int64_t i1, const float* q, const DecodeCache& c,
+                 int64_t start, int64_t h, double scale, float* out);
 
 }  // namespace dflash_attention

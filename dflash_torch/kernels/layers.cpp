@@ -119,8 +119,8 @@ Tensor act_mul(const Tensor& gate, const Tensor& up, int64_t act) {
 // A decode step (one row) through every layer in one parallel region, its steps apart by barriers: the
 // calling thread (the region's thread 0) normalizes and quantizes each matmul's row (mm_quantize: block_mm's
 // own code), rotates q and k and writes the cache (decode_rotate) and runs the activation (act_mul); every
-// thread takes its share of each matmul's output columns (mm_columns) and of the attention's kv heads
-// (decode_attend). The same functions as the per-call path, so the same bits (tests/test_exact.py,
+// thread takes its share of each matmul's output columns (mm_columns) and of the attention's tasks
+// (decode_step: by kv heads, or from 512 keys by keys and dimensions, as causal_attention splits it). The same functions as the per-call path, so the same bits (tests/test_exact.py,
 // tests/test_fast.py). What it saves is a decode step's ~180 forks and joins of the threads, and the tensors,
 // views and dispatch around them. Returns false (nothing done) where it does not apply: biases, a row that
 // is not float32 [1, H], layers shaped differently.
@@ -180,7 +180,7 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
   char* kbase = static_cast<char*>(keys.data_ptr());
   char* vbase = static_cast<char*>(values.data_ptr());
   const float *cp = cos.data_ptr<float>(), *sp = signed_sin.data_ptr<float>();
-  const int64_t tasks = dflash_attention::decode_tasks(h, hkv);
+  dflash_attention::DecodePlan plan{};  // each layer's attention steps: set by thread 0, read past a barrier
   thread_local MmScratch scratch;  // (used by thread 0 alone: the others read it through c's pointers)
   MmCall c;  // the current matmul: set by thread 0, read by all after the barrier that follows
   Tensor a;  // the activation's output, alive until the down projection has read it
@@ -223,12 +223,17 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
         mm_quantize(c, 0, 1);
       });
       columns();
-      step([&] { dflash_attention::decode_rotate(yqkv.data_ptr<float>(), cp, sp, qv, cache, pos, h); });
-      if (!error) {
-        const auto [t0, t1] = even_share(tasks, tid, nth);
-        dflash_attention::decode_attend(qv, cache, pos, h, scale, t0, t1, av);
-      }
+      step([&] {
+        dflash_attention::decode_rotate(yqkv.data_ptr<float>(), cp, sp, qv, cache, pos, h);
+        plan = dflash_attention::decode_plan(cache, pos, h);
+      });
+      for (int s = 0; s < plan.steps; s++) {  // (plan.steps: the same for every thread past the barrier)
+        if (!error) {
+          const auto [t0, t1] = even_share(plan.tasks[s], tid, nth);
+          dflash_attention::decode_step(plan, s, t0, t1, qv, cache, pos, h, scale, av);
+        }
 #pragma omp barrier
+      }
       step([&] {
         mm_setup(c, scratch, codes[4 * i + 1] % 8, isa, false, packed[4 * i + 1].data_ptr<uint8_t>(), hid, hid, 1,
                  av, nullptr, 0.f, xp, xp);
