@@ -435,9 +435,8 @@ void check_packed(const torch::Tensor& packed, int64_t fmt, int64_t n, int64_t k
   TORCH_CHECK(k % QK == 0, "in_features must be a multiple of 32, got ", k);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.device().is_cpu(),
               "packed weights must be a contiguous CPU uint8 tensor");
-  const int64_t groups = (n + GROUP - 1) / GROUP;
-  TORCH_CHECK(packed.numel() == groups * (k / QK) * group_bytes(fmt), "packed weights hold ", packed.numel(),
-              " bytes, a ", n, "x", k, " matrix needs ", groups * (k / QK) * group_bytes(fmt));
+  TORCH_CHECK(packed.numel() == packed_bytes(fmt, n, k), "packed weights hold ", packed.numel(), " bytes, a ", n,
+              "x", k, " matrix needs ", packed_bytes(fmt, n, k));
 }
 
 }  // namespace

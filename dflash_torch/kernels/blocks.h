@@ -34,6 +34,10 @@ inline int64_t group_bytes(int64_t fmt) {  // bytes of one (group, block) record
   return fmt == Q4_0 ? 2 * GROUP + 16 * GROUP : fmt == Q4_1 ? 4 * GROUP + 16 * GROUP : 2 * GROUP + 32 * GROUP;
 }
 
+inline int64_t packed_bytes(int64_t fmt, int64_t n, int64_t k) {  // an n x k matrix's packed records
+  return (n + GROUP - 1) / GROUP * (k / QK) * group_bytes(fmt);
+}
+
 struct Rows {  // quantized activations of the rows of one call
   const int8_t* q;   // [rows, K]
   const float* d;    // [rows, nb]

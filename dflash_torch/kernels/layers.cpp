@@ -151,7 +151,7 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
   if (fqkv != (h + 2 * hkv) * d || fgu % (2 * QK)) return false;
   // every layer shaped alike, and its blocks the size of its matrix (else the per-call path says what is wrong)
   auto fits = [](const Tensor& w, int64_t code, int64_t k) {
-    return w.numel() == (code / 8 + GROUP - 1) / GROUP * (k / QK) * group_bytes(code % 8) && code % 8 <= Q8_0;
+    return code % 8 <= Q8_0 && w.numel() == packed_bytes(code % 8, code / 8, k);
   };
   for (int64_t i = 0; i < layers; i++)
     if (codes[4 * i] / 8 != fqkv || codes[4 * i + 2] / 8 != fgu || codes[4 * i + 1] / 8 != hid ||
