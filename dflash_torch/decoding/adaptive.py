@@ -59,9 +59,17 @@ class AdaptiveBlockSize:
         self.drafted = [0.0] * max_block
         self.cycles = 0
         self.history: list[int] = []  # block size chosen per cycle (for metrics and bench output)
+        self.estimate = None  # E(b) from the drafter's tree statistics where it drafts trees (estimate_with)
+
+    def estimate_with(self, fn) -> None:
+        """E(b) from `fn(b)` (a tree-drafting proposer's `RankStats.expected_tokens`: a tree of b rows keeps
+        what its shape holds, not a chain's prefix), or from the per-position counts below (None)."""
+        self.estimate = fn
 
     def expected_tokens(self, b: int) -> float:
         """E(b): expected committed tokens of a b-wide cycle under the current acceptance estimates."""
+        if self.estimate is not None:
+            return self.estimate(b)
         total, r, odds = 1.0, 1.0, 0.5
         for k in range(b - 1):
             if self.drafted[k] > 0.5:
@@ -180,6 +188,9 @@ class WithFallback:
     def observe(self, block_size: int, committed: int, seconds: float) -> None:
         self.fallback.observe(block_size, committed, seconds)
         self.adaptive.observe(block_size, committed, seconds)
+
+    def estimate_with(self, fn) -> None:
+        self.adaptive.estimate_with(fn)
 
     def __getattr__(self, name: str):
         return getattr(self.fallback, name)

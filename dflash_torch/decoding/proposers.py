@@ -13,9 +13,15 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from . import trees
 from .lookup import PromptLookup
 from .sampling import History, Sampler
 from .structured import Constraint
+
+# Greedy drafter cycles verify a tree of the drafter's candidates (trees.py) where the target can
+# (`verifies_trees`: block-format weights on the compiled kernels); off, a chain as other targets do.
+# Output is the same either way.
+TREES = True
 
 
 @dataclass
@@ -25,6 +31,7 @@ class Draft:
     source: object | None  # the proposer that drafted it; None for a plain target step
     block: torch.Tensor  # [1, bs] long
     probs: torch.Tensor | None = None  # [bs - 1, V]: the distribution each draft was drawn from (None when greedy)
+    parents: list[int] | None = None  # a tree (greedy only): each row's parent row; None: a chain
 
     @property
     def width(self) -> int:
@@ -142,6 +149,15 @@ class DrafterProposer:
         # running torch.cat copied the whole backlog every step while the fallback kept it off
         self.pending = list(hidden) if isinstance(hidden, list) else [hidden]
         self.mean = 0.0  # running mean of drafted tokens kept per drafter cycle
+        # trees of candidates where the choice is the argmax and the target verifies trees
+        vt = getattr(target, "verifies_trees", None)
+        self.ranks = (trees.shared_ranks(drafter) if TREES and sampler.greedy and history is None
+                      and constraint is None and getattr(drafter, "select", None) is None and vt is not None
+                      and vt(block_size) else None)
+        estimate = getattr(controller, "estimate_with", None)  # the adaptive width prices trees by their shapes
+        if estimate is not None:
+            estimate(self.ranks.expected_tokens if self.ranks is not None else None)
+        self.top: list[list[int]] = []  # this cycle's candidates per position (a tree's)
 
     def offer(self, remaining: int) -> Offer:
         return Offer(self, self.mean)
@@ -152,12 +168,14 @@ class DrafterProposer:
         bs = min(want, remaining)  # a block of bs positions commits at most bs tokens
         if bs == 1:
             return None
+        if self.ranks is not None and bs > 2:
+            shape = self.ranks.shape(bs - 1)
+            if not shape.chain:
+                return self._draft_tree(token, shape, device)
+        self.top = []
         block = torch.full((1, bs), self.drafter.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = token
-        # [1, Tc, n_taps * H]; a windowed drafter takes the parts as they are and copies only the rows it keeps
-        # (after a long prompt and a few plain steps, joining them first copied the whole prompt's features)
-        ctx = (self.pending[0] if len(self.pending) == 1 else list(self.pending)
-               if getattr(self.drafter, "window", None) is not None else torch.cat(self.pending, dim=1))
+        ctx = self._context()
         select = getattr(self.drafter, "select", None)  # a drafter that picks its own tokens (DFlash2)
         vocab = getattr(self.drafter, "draft_vocab", None)
         if (vocab is not None and self.sampler.greedy and self.history is None and self.constraint is None
@@ -176,6 +194,27 @@ class DrafterProposer:
         self.pending = []  # the drafter's cache holds it now
         return Draft(self, block, probs)
 
+    def _context(self):
+        # [1, Tc, n_taps * H]; a windowed drafter takes the parts as they are and copies only the rows it keeps
+        # (after a long prompt and a few plain steps, joining them first copied the whole prompt's features)
+        return (self.pending[0] if len(self.pending) == 1 else list(self.pending)
+                if getattr(self.drafter, "window", None) is not None else torch.cat(self.pending, dim=1))
+
+    def _draft_tree(self, token: int, shape: trees.Shape, device) -> Draft:
+        """The drafter's block over the tree's depth, its top candidates per position, the tree's tokens."""
+        block = torch.full((1, shape.depth + 1), self.drafter.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0] = token
+        vocab = getattr(self.drafter, "draft_vocab", None)
+        kw = {} if vocab is None else {"full": False}  # over the draft vocabulary's rows where there is one
+        logits = self.drafter.propose(self.target, block, self._context(), self.cache, **kw)[0]  # [depth, V']
+        top = logits.topk(min(shape.kmax, logits.shape[-1]), dim=-1).indices  # [depth, k]
+        if vocab is not None:
+            top = vocab[top]
+        self.pending = []
+        self.top = top.tolist()
+        tokens = shape.tokens(token, self.top)
+        return Draft(self, torch.tensor([tokens], device=device), None, shape.parents)
+
     def observe(self, draft: Draft, accepted: int, new: list[int], hidden: torch.Tensor, seconds: float) -> None:
         kept = hidden[:, : len(new)]  # [1, len(new), n_taps * H]: the features of what was committed
         if self.session is not None:  # held until the prefix cache takes it: not the whole block's features
@@ -184,6 +223,8 @@ class DrafterProposer:
         self.pending.append(kept)
         if draft.source is self:
             self.mean = 0.7 * self.mean + 0.3 * accepted
+            if self.ranks is not None and self.top:
+                self.ranks.observe(self.top, new)
         if self.controller is not None and (draft.source is self or draft.source is None):
             self.controller.observe(draft.width, len(new), seconds)
 

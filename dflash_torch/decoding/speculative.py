@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import kernels
+from . import trees
 from .prefix_cache import PrefixCache, Session, capacity_for
 from .proposers import DrafterProposer, ForcedProposer, LookupProposer, plain_step, ranked
 from .sampling import History, Sampler, TokenLogprobs
@@ -49,6 +51,8 @@ class Stats:
     forced_drafted: int = 0
     forced_accepted: int = 0
     cached_tokens: int = 0  # prompt tokens a prefix cache already held (not prefilled)
+    tree_cycles: int = 0  # verify passes over a tree of drafts (trees.py)
+    tree_side_kept: int = 0  # of those, passes that kept a path other than the drafter's first choices
     widths: dict[int, int] = field(default_factory=dict)  # verify passes per width (1 = a plain step)
 
     @property
@@ -90,6 +94,11 @@ class Stats:
             self.drafted_per_position[k] += 1
             self.accepted_per_position[k] += k < accepted
 
+    def record_tree(self, rows: list[int]) -> None:
+        """A verify pass over a tree that kept the path `rows` (row 0 first)."""
+        self.tree_cycles += 1
+        self.tree_side_kept += rows != list(range(len(rows)))
+
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
@@ -113,6 +122,8 @@ class Stats:
             "forced_cycles": self.forced_cycles,
             "forced_drafted": self.forced_drafted,
             "forced_accepted": self.forced_accepted,
+            "tree_cycles": self.tree_cycles,
+            "tree_side_kept": self.tree_side_kept,
             "verify_widths": {str(w): n for w, n in sorted(self.widths.items())},
         }
 
@@ -299,16 +310,20 @@ def _speculate(target, token: int, cache, proposers: list, rules: Rules, taps, m
             if draft is not None:
                 break
         draft = draft or plain_step(token, device)
-        drafts = draft.block[0, 1:]
-        defer = _defers_head(target, draft.width, rules)  # the LM head on the rows read, not on every row
-        out = target(draft.block, cache, logits="rows" if defer else "all", taps=taps)  # verify
-        accepted, bonus, logits = _accept(target, out, drafts, draft.probs, rules)
-        new = _committed(drafts[:accepted].tolist() + [bonus], remaining, stops)
+        out, rows, bonus, logits = _verify(target, draft, cache, taps, rules)  # rows: the kept path
+        accepted = len(rows) - 1
+        new = _committed(draft.block[0, rows[1:]].tolist() + [bonus], remaining, stops)
         rules.commit(new)
+        hidden = out.hidden
+        if draft.parents is not None:  # a tree: the kept path's keys/values and features, in place of the first rows'
+            rows = rows[: len(new)]
+            cache.keep_rows(pos, rows)
+            hidden = hidden[:, rows] if hidden is not None else None
+            stats.record_tree(rows)
         cache.crop(pos + len(new))  # keep token + the accepted drafts; the last new token is not in yet
         now = time.perf_counter()
         for p in proposers:
-            p.observe(draft, accepted, new, out.hidden, now - t_cycle)
+            p.observe(draft, accepted, new, hidden, now - t_cycle)
         stats.record_cycle(draft.width - 1, accepted, len(new), source=getattr(draft.source, "name", None))
         stats.generated_tokens += len(new)
         stats.decode_s = now - t0
@@ -327,6 +342,20 @@ def _speculate(target, token: int, cache, proposers: list, rules: Rules, taps, m
 HEAD_FIRST_ROWS = 4
 
 
+def _verify(target, draft, cache, taps, rules: Rules):
+    """The target's pass over a draft -> (its output, the rows of the kept path from row 0, the target's next
+    token, the logits [n, V] the kept path's tokens and the next one were chosen from)."""
+    if draft.parents is None:  # a chain
+        defer = _defers_head(target, draft.width, rules)  # the LM head on the rows read, not on every row
+        out = target(draft.block, cache, logits="rows" if defer else "all", taps=taps)
+        rows, bonus, logits = _accept(target, out, draft.block[0, 1:], draft.probs, rules)
+        return out, rows, bonus, logits
+    # a tree (greedy): each row attends to its own ancestors; the path of the target's choices
+    out = target(draft.block, cache, logits="all", taps=taps, parents=draft.parents)
+    rows, bonus = trees.walk(draft.parents, draft.block[0].tolist(), kernels.argmax(out.logits[0]).tolist())
+    return out, rows, bonus, out.logits[0, rows]
+
+
 def _defers_head(target, width: int, rules: Rules) -> bool:
     # only where the choice of row i reads nothing but row i's logits (greedy, no penalties, no grammar)
     # and the head computes each row as if alone (the block kernels): then it is the same choice
@@ -335,21 +364,22 @@ def _defers_head(target, width: int, rules: Rules) -> bool:
             and target.defers_head(width))
 
 
-def _accept(target, out, drafts: torch.Tensor, probs, rules: Rules) -> tuple[int, int, torch.Tensor]:
-    """(drafts kept, the target's next token, the logits [n, V] of the verify pass's rows 0..n-1, which
-    hold every row the kept tokens were chosen from). From a pass with its head deferred (`out.final`),
-    the head runs on the first HEAD_FIRST_ROWS rows and on the others only if all drafts there are kept."""
+def _accept(target, out, drafts: torch.Tensor, probs, rules: Rules) -> tuple[list[int], int, torch.Tensor]:
+    """A chain's acceptance: (the rows of the kept path: 0 .. drafts kept, the target's next token, the logits
+    [n, V] of the verify pass's rows 0..n-1, which hold every row the kept tokens were chosen from). From a
+    pass with its head deferred (`out.final`), the head runs on the first HEAD_FIRST_ROWS rows and on the
+    others only if all drafts there are kept."""
     if out.final is None:
         logits = out.logits[0]
         accepted, bonus = rules.sampler.verify(drafts, rules.logits(logits, drafts), probs)
-        return accepted, bonus, logits
+        return list(range(accepted + 1)), bonus, logits
     n = HEAD_FIRST_ROWS
     logits = target.head(out.final[:n])  # [n, V]
     accepted, bonus = rules.sampler.verify(drafts[: n - 1], logits, None)
     if accepted == n - 1 and int(drafts[n - 1]) == bonus:  # the first n drafts kept: the others are read
         logits = torch.cat([logits, target.head(out.final[n:])])
         accepted, bonus = rules.sampler.verify(drafts, logits, None)
-    return accepted, bonus, logits
+    return list(range(accepted + 1)), bonus, logits
 
 
 def _device(target) -> torch.device:

@@ -264,15 +264,91 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
   return true;
 }
 
+// A tree pass's side rows (docs/performance.md, "Tree verification"): rows 0 .. L-1 are a chain (each row's
+// parent the row before it), and rope_attention gave them a decode step's attention at positions pos ..
+// pos + L - 1. Every other row r, at depth d (parents[r] < r), attends again as the decode step at position
+// pos + d of its own path does: the keys and values of its ancestors put into the slots pos + 1 .. pos + d - 1
+// (the chain's saved first and put back after), its own rotated and written at pos + d (decode_rotate), then
+// that position's attention (decode_plan/decode_step): the functions of a decode step, so its bits.
+constexpr int64_t SPLIT_KEYS = 1024;
+
+void tree_attention(Tensor& attn, const Tensor& qkv, const Tensor& cos, const Tensor& signed_sin, int64_t pos,
+                    Tensor& k, Tensor& v, at::IntArrayRef parents, int64_t h, double scale) {
+  const int64_t t = qkv.size(0), hkv = k.size(0), d = k.size(2), hid = h * d;
+  TORCH_CHECK((int64_t)parents.size() == t && parents[0] < 0, "parents: one per row, the first row the root");
+  TORCH_CHECK(attn.is_contiguous() && attn.scalar_type() == at::kFloat && qkv.is_contiguous() &&
+                  cos.scalar_type() == at::kFloat && signed_sin.scalar_type() == at::kFloat &&
+                  cos.numel() == t * d && signed_sin.numel() == t * d,
+              "a tree pass takes float32 rows and rotary tables [T, D]");
+  std::vector<int64_t> depth(t, 0);
+  int64_t chain = 1;  // rows 0 .. chain - 1: each the child of the row before it
+  for (int64_t r = 1; r < t; r++) {
+    TORCH_CHECK(parents[r] >= 0 && parents[r] < r, "a row's parent must come before it");
+    depth[r] = depth[parents[r]] + 1;
+    if (chain == r && parents[r] == r - 1) chain++;
+  }
+  const bool half = k.scalar_type() == at::kHalf;
+  const int64_t es = half ? 2 : 4, row_bytes = d * es;
+  const dflash_attention::DecodeCache cache{k.data_ptr(), v.data_ptr(), half, hkv, d, k.stride(0), k.stride(1),
+                                            v.stride(0), v.stride(1)};
+  char* kb = static_cast<char*>(k.data_ptr());
+  char* vb = static_cast<char*>(v.data_ptr());
+  auto slot = [&](char* base, int64_t hs, int64_t ss, int64_t g, int64_t s) { return base + (g * hs + s * ss) * es; };
+  auto move = [&](int64_t to, int64_t from) {  // slot `from`'s keys and values into slot `to`, every kv head
+    for (int64_t g = 0; g < hkv; g++) {
+      std::memcpy(slot(kb, cache.khs, cache.ks, g, to), slot(kb, cache.khs, cache.ks, g, from), row_bytes);
+      std::memcpy(slot(vb, cache.vhs, cache.vs, g, to), slot(vb, cache.vhs, cache.vs, g, from), row_bytes);
+    }
+  };
+  std::vector<char> saved;
+  std::vector<float> q(hid);
+  const float* xp = qkv.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = signed_sin.data_ptr<float>();
+  for (int64_t r = chain; r < t; r++) {
+    const int64_t dr = depth[r];
+    saved.resize(2 * hkv * dr * row_bytes);
+    for (int64_t s = 1; s <= dr; s++)  // the chain's slots pos + 1 .. pos + dr, kept
+      for (int64_t g = 0; g < hkv; g++) {
+        char* out = saved.data() + ((s - 1) * hkv + g) * 2 * row_bytes;
+        std::memcpy(out, slot(kb, cache.khs, cache.ks, g, pos + s), row_bytes);
+        std::memcpy(out + row_bytes, slot(vb, cache.vhs, cache.vs, g, pos + s), row_bytes);
+      }
+    std::vector<int64_t> path(dr + 1);  // path[s]: the row at depth s on r's path
+    for (int64_t a = r, s = dr; s >= 0; a = parents[a], s--) path[s] = a;
+    for (int64_t s = 1; s < dr; s++)  // (path[s] >= s: a slot is read before any copy writes it)
+      if (path[s] != s) move(pos + s, pos + path[s]);
+    dflash_attention::decode_rotate(xp + r * qkv.size(1), cp + r * d, sp + r * d, q.data(), cache, pos + dr, h);
+    const dflash_attention::DecodePlan plan = dflash_attention::decode_plan(cache, pos + dr, h);
+    float* out = attn.data_ptr<float>() + r * hid;
+    // each step's tasks over the threads, a join between steps; over fewer keys than SPLIT_KEYS the
+    // calling thread takes them all (a fork and join cost more than the attention there)
+    for (int s = 0; s < plan.steps; s++) {
+      auto run = [&](int64_t i0, int64_t i1) {
+        dflash_attention::decode_step(plan, s, i0, i1, q.data(), cache, pos + dr, h, scale, out);
+      };
+      if (pos + dr + 1 < SPLIT_KEYS) run(0, plan.tasks[s]);
+      else at::parallel_for(0, plan.tasks[s], 1, run);
+    }
+    for (int64_t s = 1; s <= dr; s++)
+      for (int64_t g = 0; g < hkv; g++) {
+        const char* in = saved.data() + ((s - 1) * hkv + g) * 2 * row_bytes;
+        std::memcpy(slot(kb, cache.khs, cache.ks, g, pos + s), in, row_bytes);
+        std::memcpy(slot(vb, cache.vhs, cache.vs, g, pos + s), in + row_bytes, row_bytes);
+      }
+  }
+}
+
 // x [T, H] float32 through every layer; keys/values the cache [L, 1, Hkv, S, D]; per layer 2 norms and 4
 // linear layers (qkv, o, gate_up, down: packed blocks, 8 * out_features + format, optional bias); act 0
 // silu, 1 gelu (tanh), 2 gelu. Returns x and the outputs of the layers listed in taps, in layer order.
 std::tuple<Tensor, std::vector<Tensor>> decoder_stack(
     const Tensor& x_in, const Tensor& cos, const Tensor& signed_sin, int64_t pos, Tensor& keys, Tensor& values,
     at::IntArrayRef taps, at::TensorList norms, at::TensorList packed, at::IntArrayRef codes,
-    const c10::List<std::optional<Tensor>>& biases, double eps, int64_t h, int64_t hkv, double scale, int64_t act) {
+    const c10::List<std::optional<Tensor>>& biases, double eps, int64_t h, int64_t hkv, double scale, int64_t act,
+    at::IntArrayRef parents) {
   const int64_t layers = keys.size(0);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decoder_stack takes float32 x [T, H]");
+  TORCH_CHECK(parents.empty() || (int64_t)parents.size() == x_in.size(0), "parents: none, or one per row");
   TORCH_CHECK(values.size(0) == layers && (int64_t)norms.size() == 2 * layers &&
                   (int64_t)packed.size() == 4 * layers && (int64_t)codes.size() == 4 * layers &&
                   (int64_t)biases.size() == 4 * layers,
@@ -280,7 +356,7 @@ std::tuple<Tensor, std::vector<Tensor>> decoder_stack(
   TORCH_CHECK(act >= 0 && act <= 2, "unknown activation code ", act);
   std::vector<Tensor> tapped;
   Tensor x = x_in;
-  if (decode_region(x, tapped, x_in, cos, signed_sin, pos, keys, values, taps, norms, packed, codes, biases, eps,
+  if (parents.empty() && decode_region(x, tapped, x_in, cos, signed_sin, pos, keys, values, taps, norms, packed, codes, biases, eps,
                     h, hkv, scale, act))
     return {x, tapped};
   const Ops& o = ops();
@@ -288,6 +364,8 @@ std::tuple<Tensor, std::vector<Tensor>> decoder_stack(
     Tensor qkv = norm_linear(o, x, norms[2 * i], eps, packed[4 * i], codes[4 * i], biases.get(4 * i));
     Tensor k = keys.select(0, i).select(0, 0), v = values.select(0, i).select(0, 0);  // [Hkv, S, D]
     Tensor attn = o.rope_attention.call(qkv, cos, signed_sin, k, v, pos, h, hkv, scale);  // [T, H * D]
+    if (!parents.empty()) tree_attention(attn, qkv, cos.contiguous(), signed_sin.contiguous(), pos, k, v, parents, h,
+                                         scale);
     x = add_linear(o, x, attn, packed[4 * i + 1], codes[4 * i + 1], biases.get(4 * i + 1));
     std::vector<Tensor> gu =
         norm_linear(o, x, norms[2 * i + 1], eps, packed[4 * i + 2], codes[4 * i + 2], biases.get(4 * i + 2)).chunk(2, -1);
@@ -370,7 +448,7 @@ Tensor draft_stack(const Tensor& x_in, const Tensor& kv_in, const Tensor& q_cos,
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("decoder_stack(Tensor x, Tensor cos, Tensor signed_sin, int pos, Tensor(a!) keys, Tensor(b!) values, "
         "int[] taps, Tensor[] norms, Tensor[] packed, int[] codes, Tensor?[] biases, float eps, int h, int hkv, "
-        "float scale, int act) -> (Tensor, Tensor[])");
+        "float scale, int act, int[] parents=[]) -> (Tensor, Tensor[])");
   m.impl("decoder_stack", c10::DispatchKey::CPU, &decoder_stack);
   m.def("draft_stack(Tensor x, Tensor kv, Tensor q_cos, Tensor q_signed, Tensor c_cos, Tensor c_signed, int start, "
         "Tensor(a!) keys, Tensor(b!) values, Tensor[] norms, Tensor[] packed, int[] codes, Tensor?[] biases, "

@@ -70,6 +70,19 @@ class KVCache:
         values.index_copy_(2, positions, v)
         return keys, values
 
+    def keep_rows(self, start: int, rows: list[int]) -> None:
+        """After a tree pass from `start` (`Model.forward(parents=...)`, row i in slot start + i): put the
+        keys/values of `rows` (a path, root first: rows[i] >= i) in slots start, start + 1, ..; then `crop`.
+        Each was rotated for position start + its depth, which is where it lands, so the move is exact."""
+        moves = [(start + i, start + r) for i, r in enumerate(rows) if r != i]
+        if not moves:
+            return
+        dst = torch.tensor([m[0] for m in moves], device=self.k.device)
+        src = torch.tensor([m[1] for m in moves], device=self.k.device)
+        # (every source is read before any slot is written: the gather copies them out first)
+        self.k.index_copy_(3, dst, self.k.index_select(3, src))
+        self.v.index_copy_(3, dst, self.v.index_select(3, src))
+
     def crop(self, length: int) -> None:
         """Forget every slot at or after `length` (rollback; 0: start over)."""
         if not 0 <= length <= self.max_len:

@@ -212,6 +212,7 @@ class Model(nn.Module):
         logits: str | None = "last",
         taps: tuple[int, ...] | list[int] = (),
         positions: torch.Tensor | None = None,
+        parents: list[int] | None = None,
     ) -> Output:
         """Run `input_ids` [B, T] at positions [cache.length, cache.length + T) and advance the cache.
 
@@ -220,8 +221,16 @@ class Model(nn.Module):
         (the output of layer i, i.e. transformers' hidden_states[i + 1]).
         `positions` [T] (static shapes, for CUDA graphs): run at these positions instead, attending over
         the whole cache with a mask; nothing depends on a Python int and `cache.length` is left to the caller.
+        `parents` [T] (where `verifies_trees(T)`): the rows are a tree of tokens, row i the child of row
+        parents[i] (parents[0] = -1; each parent before its child): each row at position cache.length + its
+        depth, attending to the cache and its own ancestors, with a decode step's bits. Row i's keys/values
+        are left in slot cache.length + i (`KVCache.keep_rows` moves a kept path's into place).
         """
         start, t = cache.length, input_ids.shape[1]
+        if parents is not None:
+            if not self.verifies_trees(t) or input_ids.shape[0] != 1 or positions is not None:
+                raise ValueError("this model cannot verify a tree of tokens (block-format weights, compiled kernels)")
+            return self._flat(input_ids, cache, logits, taps, parents)
         window = self.config.sliding_window
         static = positions is not None
         if self.flat and not static and input_ids.shape[0] == 1 and (
@@ -280,6 +289,10 @@ class Model(nn.Module):
                                                   head.out_features, -1)
         return head(norm(x))
 
+    def verifies_trees(self, t: int) -> bool:
+        """Whether a pass of t tokens can take `parents` (a tree): the flat path on the native decoder stack."""
+        return self.flat and t > 1 and self._each_query(t) and isinstance(self._flat_plan(), NativeLayers)
+
     def _each_query(self, t: int) -> bool:
         a = self.model.layers[0].self_attn  # quantize.py sets these on every layer alike
         if a.exact_kernel:
@@ -313,30 +326,41 @@ class Model(nn.Module):
         plan = flat.script(layers) if self.script and cpu else layers
         return NativeLayers(layers, plan) if self.native and cpu and NativeLayers.applies(layers) else plan
 
-    def _flat(self, input_ids: torch.Tensor, cache: KVCache, logits: str | None, taps) -> Output:
+    def _flat_plan(self):
+        if self._plan is None:
+            self._plan = {}
+        key = (self.script, self.native)
+        if key not in self._plan:
+            self._plan[key] = self._decode_plan()
+        return self._plan[key]
+
+    def _flat(self, input_ids: torch.Tensor, cache: KVCache, logits: str | None, taps,
+              parents: list[int] | None = None) -> Output:
         # T tokens of one sequence through exactly the kernels of the layer modules above, with their
         # calls, 4-D views, checks and attribute lookups flattened out: a decode step is a few hundred
         # small operators around the matmuls, so what surrounds them is a large share of its time
         # (docs/performance.md, "A flat decode step"). Taken for decode steps, and for passes that
         # attend one query at a time (quantized verify): there every query is a decode step's
         # attention call. Same bits as the module path (`flat = False`; tests/test_fast.py).
-        if self._plan is None:
-            self._plan = {}
-        key = (self.script, self.native)
-        if key not in self._plan:
-            try:
-                self._plan[key] = self._decode_plan()
-            except TypeError as e:  # a layer type the flat path does not know: the modules, as before
-                warnings.warn(f"{e}: decode steps run through the layer modules", stacklevel=2)
-                self.flat = False
-                return self.forward(input_ids, cache, logits, taps)
+        try:
+            plan = self._flat_plan()
+        except TypeError as e:  # a layer type the flat path does not know: the modules, as before
+            warnings.warn(f"{e}: decode steps run through the layer modules", stacklevel=2)
+            self.flat = False
+            return self.forward(input_ids, cache, logits, taps)
         t, pos = input_ids.shape[1], cache.length
         end = pos + t
         if end > cache.max_len:
             raise ValueError(f"KV cache overflow: position {end} > capacity {cache.max_len}")
         cos, sin = self.rotary.span(pos, end, self.model.embed_tokens.weight.dtype)
         x = self.model.embed_tokens(input_ids[0])  # [T, H]
-        x, tapped = self._plan[key](x, cos[:, None], sin[:, None], pos, cache.k, cache.v, list(taps))
+        if parents is None:
+            x, tapped = plan(x, cos[:, None], sin[:, None], pos, cache.k, cache.v, list(taps))
+        else:  # each row at position pos + its depth
+            depth = tree_depths(parents)
+            rows = torch.tensor(depth, device=cos.device)
+            cos, sin = cos.index_select(0, rows), sin.index_select(0, rows)
+            x, tapped = plan(x, cos[:, None], sin[:, None], pos, cache.k, cache.v, list(taps), list(parents))
         cache.length = end
         if taps:  # tapped in layer order; the features go in the order asked for
             by_layer = dict(zip(sorted(set(taps)), tapped))
@@ -444,13 +468,26 @@ class NativeLayers:
                 and all(spec[0] == flat.BLOCK for spec in layers.lins) and kernels.ensure() == "compiled")
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: int, keys: torch.Tensor,
-                 values: torch.Tensor, taps: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                 values: torch.Tensor, taps: list[int],
+                 parents: list[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         f = self.layers
         if x.dtype != torch.float32 or cos.shape[-1] != f.d:
+            if parents:
+                raise ValueError("a tree pass takes float32 activations and full rotary")
             return self.fallback(x, cos, sin, pos, keys, values, taps)
         return torch.ops.dflash.decoder_stack(x, cos, flat.signed(sin), pos, keys, values, taps, self.norms,
                                               self.packed, self.codes, self.biases, f.eps, f.h, f.hkv, f.scale,
-                                              f.act)
+                                              f.act, list(parents))
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each row's depth in a tree given by its parents (parents[0] = -1, each parent before its child)."""
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        if not 0 <= parents[i] < i:
+            raise ValueError(f"row {i}'s parent {parents[i]} does not come before it")
+        depth[i] = depth[parents[i]] + 1
+    return depth
 
 
 # For TorchScript, which cannot read string annotations (this file's are) nor infer the type of an empty

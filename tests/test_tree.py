@@ -1,0 +1,172 @@
+"""Tree verification: a verify pass over a tree of drafted tokens (`Model.forward(parents=...)`) gives every
+row the bits of the decode steps along its own path, and the loop that drafts trees emits target-only
+greedy output exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash_torch import kernels, loading
+from dflash_torch.decoding import proposers, trees
+from dflash_torch.decoding.drafter import load_drafter
+from dflash_torch.decoding.speculative import Stats, generate_tokens
+from dflash_torch.models.llama import tree_depths
+from dflash_torch.models.quantize import exact_prefill, quantize_blocks
+
+from .conftest import make_drafter, make_hf_model
+
+pytestmark = [pytest.mark.fastpath,
+              pytest.mark.skipif(kernels.ensure() != "compiled", reason="tree passes run on the compiled kernels")]
+
+
+def random_tree(rng: random.Random, t: int) -> list[int]:
+    """parents of a random tree of t rows (each parent before its child)."""
+    return [-1] + [rng.randrange(i) if rng.random() < 0.6 else i - 1 for i in range(1, t)]
+
+
+def path_of(parents: list[int], r: int) -> list[int]:
+    out = [r]
+    while parents[out[-1]] >= 0:
+        out.append(parents[out[-1]])
+    return out[::-1]
+
+
+def check_tree(target, prompt: list[int], parents: list[int], tokens: list[int], taps, capacity: int) -> None:
+    """Each row's logits and taps == decode steps along its path; keep_rows leaves that path's cache."""
+    cache = target.new_cache(capacity)
+    target(torch.tensor([prompt]), cache, logits=None)
+    n = cache.length
+    out = target(torch.tensor([tokens]), cache, logits="all", taps=taps, parents=parents)
+    assert cache.length == n + len(tokens)
+    for r in range(len(tokens)):
+        path = path_of(parents, r)
+        steps = target.new_cache(capacity)
+        target(torch.tensor([prompt]), steps, logits=None)
+        for i in path:
+            step = target(torch.tensor([[tokens[i]]]), steps, logits="all", taps=taps)
+        assert torch.equal(out.logits[0, r], step.logits[0, 0]), (r, path)
+        assert torch.equal(out.hidden[0, r], step.hidden[0, 0]), (r, path)
+        if r == len(tokens) - 1 or random.Random(r).random() < 0.3:  # the move of a kept path, now and then
+            moved = target.new_cache(capacity)
+            target(torch.tensor([prompt]), moved, logits=None)
+            target(torch.tensor([tokens]), moved, logits=None, parents=parents)
+            moved.keep_rows(n, path)
+            m = n + len(path)
+            assert torch.equal(moved.k[..., :m, :], steps.k[..., :m, :]), (r, path)
+            assert torch.equal(moved.v[..., :m, :], steps.v[..., :m, :]), (r, path)
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_models):
+    out = {}
+    for fmt in ("q4_0", "q8_0", "q4_1"):
+        for kind in ("llama", "qwen2"):
+            target = quantize_blocks(loading.load_target(tiny_models[kind], torch.device("cpu"), torch.float32), fmt)
+            exact_prefill(target)
+            out[fmt, kind] = target
+    return out
+
+
+@pytest.mark.parametrize("fmt", ("q4_0", "q8_0", "q4_1"))
+@torch.inference_mode()
+def test_tree_rows_equal_decode_steps_along_their_paths(targets, fmt):
+    rng = random.Random(fmt)
+    for kind in ("llama", "qwen2"):
+        target = targets[fmt, kind]
+        for t in (2, 3, 6, 11, 16):
+            assert target.verifies_trees(t)
+            parents = random_tree(rng, t)
+            tokens = [rng.randrange(255) for _ in range(t)]
+            prompt = [rng.randrange(255) for _ in range(rng.randint(1, 30))]
+            check_tree(target, prompt, parents, tokens, (0, 1), 64)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@torch.inference_mode()
+def test_tree_rows_after_long_contexts(tmp_path, threads):
+    """After 600 keys (a float16 cache's decode attention splits by keys there), one and two threads."""
+    path = make_hf_model("llama", tmp_path / "t", seed=3, max_position_embeddings=1024, num_attention_heads=6,
+                         num_key_value_heads=3, hidden_size=96, intermediate_size=192)
+    target = quantize_blocks(loading.load_target(path, torch.device("cpu"), torch.float32), "q4_0")
+    exact_prefill(target)
+    assert target.cache_dtype == torch.float16
+    rng = random.Random(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for context in (5, 600):
+            parents = random_tree(rng, 9)
+            check_tree(target, [rng.randrange(255) for _ in range(context)], parents,
+                       [rng.randrange(255) for _ in range(9)], (2,), context + 16)
+    finally:
+        torch.set_num_threads(before)
+
+
+@torch.inference_mode()
+def test_a_model_without_the_native_stack_says_it_cannot(tiny_models):
+    qwen3 = quantize_blocks(loading.load_target(tiny_models["qwen3"], torch.device("cpu"), torch.float32), "q4_0")
+    exact_prefill(qwen3)  # q/k norms: the scripted flat path, not the native stack
+    assert not qwen3.verifies_trees(4)
+    with pytest.raises(ValueError, match="cannot verify a tree"):
+        qwen3(torch.tensor([[1, 2, 3]]), qwen3.new_cache(8), parents=[-1, 0, 0])
+    with pytest.raises(ValueError, match="does not come before"):
+        tree_depths([-1, 2, 0])
+
+
+def test_tree_shape_is_a_tree_of_the_likeliest_paths():
+    freq = [[0.4, 0.15, 0.06, 0.03], [0.2, 0.1, 0.07, 0.04], [0.13, 0.08, 0.07, 0.05]]
+    for nodes in range(1, 16):
+        shape = trees.best_shape(freq, nodes)
+        assert len(shape.paths) == nodes and len(set(shape.paths)) == nodes
+        assert shape.paths[0] == (0,)
+        for i, p in enumerate(shape.paths):  # every prefix earlier in the list, ranks within the table
+            assert len(p) == 1 or shape.paths.index(p[:-1]) < i
+            assert all(r < 4 for r in p) and len(p) <= 3
+        # no left-out path more likely than a chosen one
+        chosen = min(trees.probability(freq, p) for p in shape.paths)
+        for p in shape.frontier():
+            assert trees.probability(freq, p) <= chosen + 1e-12
+
+
+@pytest.mark.parametrize("fmt", ("q4_0", "q8_0"))
+def test_tree_drafts_equal_target_only_output(tiny_models, tmp_path, fmt):
+    """Generation with tree drafts (random drafters: mostly side branches kept or nothing) equals target-only
+    greedy output, with lookup and without, at widths 2..16; the trees were really drafted and kept from."""
+    rng = random.Random(fmt)
+    checked = tree_cycles = side_kept = 0
+    for kind in ("llama", "qwen2"):
+        target = quantize_blocks(loading.load_target(tiny_models[kind], torch.device("cpu"), torch.float32), fmt)
+        exact_prefill(target)
+        drafter = quantize_blocks(load_drafter(make_drafter(tiny_models[kind], tmp_path / kind, block_size=16)), fmt)
+        for i in range(12):
+            base = [rng.randrange(255) for _ in range(rng.randint(1, 8))]
+            prompt = base * rng.randint(1, 3)
+            n = rng.randint(8, 28)
+            want = list(generate_tokens(target, prompt, max_new_tokens=n))
+            for bs in (2, 4, 8, 16):
+                stats = Stats()
+                got = list(generate_tokens(target, prompt, max_new_tokens=n, drafter=drafter, block_size=bs,
+                                           stats=stats, lookup=i % 2 == 1))
+                assert got == want, (fmt, kind, i, bs)
+                checked += 1
+                tree_cycles += stats.tree_cycles
+                side_kept += stats.tree_side_kept
+    assert checked == 2 * 12 * 4
+    assert tree_cycles > checked and side_kept > 0
+
+
+def test_trees_can_be_switched_off(tiny_models, tmp_path, monkeypatch):
+    target = quantize_blocks(loading.load_target(tiny_models["llama"], torch.device("cpu"), torch.float32), "q4_0")
+    exact_prefill(target)
+    drafter = load_drafter(make_drafter(tiny_models["llama"], tmp_path / "d", block_size=8))
+    prompt = [5, 6, 7, 8]
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(proposers, "TREES", on)
+        stats = Stats()
+        runs[on] = (list(generate_tokens(target, prompt, max_new_tokens=20, drafter=drafter, stats=stats)), stats)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1].tree_cycles > 0 and runs[False][1].tree_cycles == 0
