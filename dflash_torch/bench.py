@@ -15,7 +15,8 @@ Artifacts (--out DIR): results.json, summary.md, throughput.png, acceptance.png.
   fallback, adaptive, ...}, and
   runs: one per suite x length with suite, max_tokens, prompts, baseline_tok_s, dflash_tok_s, speedup,
   acceptance_length_mean, acceptance_rate, acceptance_per_position, ttft_s, peak_memory_mb, hf_tok_s,
-  hf_prompt_lookup_tok_s, llamacpp_tok_s, outputs_match, lookup_passes, lookup_accepted_share,
+  hf_prompt_lookup_tok_s, llamacpp_tok_s, outputs_match, lookup_passes, lookup_accepted_share, tree_passes,
+  tree_side_kept,
   verify_widths {width: passes; 1 = a plain step}, per_prompt, ...
   (null where not measured).
 """
@@ -289,6 +290,9 @@ class Row:
             # passes per width (1 = a plain step): what the fallback, --adaptive and prompt lookup chose
             "verify_widths": _sum_widths(self.stats),
             "lookup_passes": sum(s.lookup_cycles for s in self.stats),
+            # passes over a tree of drafts, and of those the ones that kept a path off the first choices
+            "tree_passes": sum(s.tree_cycles for s in self.stats),
+            "tree_side_kept": sum(s.tree_side_kept for s in self.stats),
             # share of the accepted drafted tokens that came from prompt lookup (the rest: the drafter)
             "lookup_accepted_share": _r(lookup_kept / kept_all, 4) if kept_all else None,
             "block_size": self.block_size,

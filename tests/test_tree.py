@@ -170,3 +170,26 @@ def test_trees_can_be_switched_off(tiny_models, tmp_path, monkeypatch):
         runs[on] = (list(generate_tokens(target, prompt, max_new_tokens=20, drafter=drafter, stats=stats)), stats)
     assert runs[True][0] == runs[False][0]
     assert runs[True][1].tree_cycles > 0 and runs[False][1].tree_cycles == 0
+
+
+def test_adaptive_width_prices_trees_by_their_shapes(tiny_models, tmp_path):
+    """With the adaptive width (and the fallback around it), a tree-drafting generation hands the controller
+    the trees' expected tokens per width, and still emits target-only output."""
+    from dflash_torch.decoding.adaptive import AdaptiveBlockSize, WithFallback
+    from dflash_torch.decoding.fallback import FallbackController
+
+    target = quantize_blocks(loading.load_target(tiny_models["llama"], torch.device("cpu"), torch.float32), "q4_0")
+    exact_prefill(target)
+    drafter = load_drafter(make_drafter(tiny_models["llama"], tmp_path / "d", block_size=8))
+    costs = {b: 1e-3 * (1 + 0.05 * b) for b in range(1, 9)}  # cheap wide passes: the controller drafts
+    prompt = [9, 8, 7, 6, 5]
+    want = list(generate_tokens(target, prompt, max_new_tokens=24))
+    adaptive = AdaptiveBlockSize(costs, 8)
+    stats = Stats()
+    got = list(generate_tokens(target, prompt, max_new_tokens=24, drafter=drafter, stats=stats,
+                               controller=WithFallback(FallbackController(), adaptive)))
+    assert got == want
+    ranks = drafter.tree_ranks
+    assert adaptive.estimate == ranks.expected_tokens and stats.tree_cycles > 0
+    e = [ranks.expected_tokens(b) for b in range(1, 9)]
+    assert e[0] == 1.0 and all(a <= b for a, b in zip(e, e[1:]))

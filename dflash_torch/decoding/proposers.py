@@ -157,7 +157,7 @@ class DrafterProposer:
         estimate = getattr(controller, "estimate_with", None)  # the adaptive width prices trees by their shapes
         if estimate is not None:
             estimate(self.ranks.expected_tokens if self.ranks is not None else None)
-        self.top: list[list[int]] = []  # this cycle's candidates per position (a tree's)
+        self.top: list[list[int]] = []  # this cycle's candidates per position (with trees)
 
     def offer(self, remaining: int) -> Offer:
         return Offer(self, self.mean)
@@ -168,11 +168,8 @@ class DrafterProposer:
         bs = min(want, remaining)  # a block of bs positions commits at most bs tokens
         if bs == 1:
             return None
-        if self.ranks is not None and bs > 2:
-            shape = self.ranks.shape(bs - 1)
-            if not shape.chain:
-                return self._draft_tree(token, shape, device)
-        self.top = []
+        if self.ranks is not None:  # a tree of bs - 1 nodes (where the likeliest is a chain, a chain)
+            return self._draft_tree(token, self.ranks.shape(bs - 1), device)
         block = torch.full((1, bs), self.drafter.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = token
         ctx = self._context()
@@ -213,7 +210,7 @@ class DrafterProposer:
         self.pending = []
         self.top = top.tolist()
         tokens = shape.tokens(token, self.top)
-        return Draft(self, torch.tensor([tokens], device=device), None, shape.parents)
+        return Draft(self, torch.tensor([tokens], device=device), None, None if shape.chain else shape.parents)
 
     def observe(self, draft: Draft, accepted: int, new: list[int], hidden: torch.Tensor, seconds: float) -> None:
         kept = hidden[:, : len(new)]  # [1, len(new), n_taps * H]: the features of what was committed
@@ -223,7 +220,7 @@ class DrafterProposer:
         self.pending.append(kept)
         if draft.source is self:
             self.mean = 0.7 * self.mean + 0.3 * accepted
-            if self.ranks is not None and self.top:
+            if self.ranks is not None:
                 self.ranks.observe(self.top, new)
         if self.controller is not None and (draft.source is self or draft.source is None):
             self.controller.observe(draft.width, len(new), seconds)

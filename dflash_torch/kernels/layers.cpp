@@ -264,21 +264,22 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
   return true;
 }
 
-// A tree pass's side rows (docs/performance.md, "Tree verification"): rows 0 .. L-1 are a chain (each row's
-// parent the row before it), and rope_attention gave them a decode step's attention at positions pos ..
-// pos + L - 1. Every other row r, at depth d (parents[r] < r), attends again as the decode step at position
-// pos + d of its own path does: the keys and values of its ancestors put into the slots pos + 1 .. pos + d - 1
-// (the chain's saved first and put back after), its own rotated and written at pos + d (decode_rotate), then
-// that position's attention (decode_plan/decode_step): the functions of a decode step, so its bits.
+// A tree pass's attention (docs/performance.md, "Tree verification"). Rows 0 .. C-1 are a chain (each row's
+// parent the row before it): rope_attention gives them a decode step's attention at positions pos .. pos + C - 1
+// and writes their keys and values there. Every other row r, at depth d (parents[r] < r), attends as the
+// decode step at position pos + d of its own path does: the keys and values of its ancestors put into the slots
+// pos + 1 .. pos + d - 1 (the chain's saved first and put back after), its own rotated and written at pos + d
+// (decode_rotate, then copied to its slot pos + r), then that position's attention (decode_plan/decode_step):
+// the functions of a decode step, so its bits. Returns the attention's output [T, H * D].
 constexpr int64_t SPLIT_KEYS = 1024;
 
-void tree_attention(Tensor& attn, const Tensor& qkv, const Tensor& cos, const Tensor& signed_sin, int64_t pos,
-                    Tensor& k, Tensor& v, at::IntArrayRef parents, int64_t h, double scale) {
-  const int64_t t = qkv.size(0), hkv = k.size(0), d = k.size(2), hid = h * d;
+Tensor tree_attention(const Ops& o, const Tensor& qkv, const Tensor& cos, const Tensor& signed_sin, int64_t pos,
+                      Tensor& k, Tensor& v, at::IntArrayRef parents, int64_t h, int64_t hkv, double scale) {
+  const int64_t t = qkv.size(0), d = k.size(2), hid = h * d;
   TORCH_CHECK((int64_t)parents.size() == t && parents[0] < 0, "parents: one per row, the first row the root");
-  TORCH_CHECK(attn.is_contiguous() && attn.scalar_type() == at::kFloat && qkv.is_contiguous() &&
-                  cos.scalar_type() == at::kFloat && signed_sin.scalar_type() == at::kFloat &&
-                  cos.numel() == t * d && signed_sin.numel() == t * d,
+  TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  signed_sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  signed_sin.scalar_type() == at::kFloat && cos.numel() == t * d && signed_sin.numel() == t * d,
               "a tree pass takes float32 rows and rotary tables [T, D]");
   std::vector<int64_t> depth(t, 0);
   int64_t chain = 1;  // rows 0 .. chain - 1: each the child of the row before it
@@ -287,37 +288,45 @@ void tree_attention(Tensor& attn, const Tensor& qkv, const Tensor& cos, const Te
     depth[r] = depth[parents[r]] + 1;
     if (chain == r && parents[r] == r - 1) chain++;
   }
+  Tensor head = o.rope_attention.call(qkv.narrow(0, 0, chain), cos.narrow(0, 0, chain),
+                                      signed_sin.narrow(0, 0, chain), k, v, pos, h, hkv, scale);  // [C, H * D]
+  if (chain == t) return head;
+  Tensor attn = at::empty({t, hid}, qkv.options());
+  attn.narrow(0, 0, chain).copy_(head);
   const bool half = k.scalar_type() == at::kHalf;
   const int64_t es = half ? 2 : 4, row_bytes = d * es;
   const dflash_attention::DecodeCache cache{k.data_ptr(), v.data_ptr(), half, hkv, d, k.stride(0), k.stride(1),
                                             v.stride(0), v.stride(1)};
   char* kb = static_cast<char*>(k.data_ptr());
   char* vb = static_cast<char*>(v.data_ptr());
-  auto slot = [&](char* base, int64_t hs, int64_t ss, int64_t g, int64_t s) { return base + (g * hs + s * ss) * es; };
+  auto kslot = [&](int64_t g, int64_t s) { return kb + (g * cache.khs + s * cache.ks) * es; };
+  auto vslot = [&](int64_t g, int64_t s) { return vb + (g * cache.vhs + s * cache.vs) * es; };
   auto move = [&](int64_t to, int64_t from) {  // slot `from`'s keys and values into slot `to`, every kv head
     for (int64_t g = 0; g < hkv; g++) {
-      std::memcpy(slot(kb, cache.khs, cache.ks, g, to), slot(kb, cache.khs, cache.ks, g, from), row_bytes);
-      std::memcpy(slot(vb, cache.vhs, cache.vs, g, to), slot(vb, cache.vhs, cache.vs, g, from), row_bytes);
+      std::memcpy(kslot(g, to), kslot(g, from), row_bytes);
+      std::memcpy(vslot(g, to), vslot(g, from), row_bytes);
     }
   };
   std::vector<char> saved;
   std::vector<float> q(hid);
+  std::vector<int64_t> path;
   const float* xp = qkv.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = signed_sin.data_ptr<float>();
   for (int64_t r = chain; r < t; r++) {
-    const int64_t dr = depth[r];
+    const int64_t dr = depth[r];  // (< r: its slot pos + r is outside the slots it borrows)
     saved.resize(2 * hkv * dr * row_bytes);
     for (int64_t s = 1; s <= dr; s++)  // the chain's slots pos + 1 .. pos + dr, kept
       for (int64_t g = 0; g < hkv; g++) {
         char* out = saved.data() + ((s - 1) * hkv + g) * 2 * row_bytes;
-        std::memcpy(out, slot(kb, cache.khs, cache.ks, g, pos + s), row_bytes);
-        std::memcpy(out + row_bytes, slot(vb, cache.vhs, cache.vs, g, pos + s), row_bytes);
+        std::memcpy(out, kslot(g, pos + s), row_bytes);
+        std::memcpy(out + row_bytes, vslot(g, pos + s), row_bytes);
       }
-    std::vector<int64_t> path(dr + 1);  // path[s]: the row at depth s on r's path
+    path.assign(dr + 1, 0);  // path[s]: the row at depth s on r's path
     for (int64_t a = r, s = dr; s >= 0; a = parents[a], s--) path[s] = a;
     for (int64_t s = 1; s < dr; s++)  // (path[s] >= s: a slot is read before any copy writes it)
       if (path[s] != s) move(pos + s, pos + path[s]);
     dflash_attention::decode_rotate(xp + r * qkv.size(1), cp + r * d, sp + r * d, q.data(), cache, pos + dr, h);
+    move(pos + r, pos + dr);  // its own slot, where the kept path's rows are moved from
     const dflash_attention::DecodePlan plan = dflash_attention::decode_plan(cache, pos + dr, h);
     float* out = attn.data_ptr<float>() + r * hid;
     // each step's tasks over the threads, a join between steps; over fewer keys than SPLIT_KEYS the
@@ -332,10 +341,11 @@ void tree_attention(Tensor& attn, const Tensor& qkv, const Tensor& cos, const Te
     for (int64_t s = 1; s <= dr; s++)
       for (int64_t g = 0; g < hkv; g++) {
         const char* in = saved.data() + ((s - 1) * hkv + g) * 2 * row_bytes;
-        std::memcpy(slot(kb, cache.khs, cache.ks, g, pos + s), in, row_bytes);
-        std::memcpy(slot(vb, cache.vhs, cache.vs, g, pos + s), in + row_bytes, row_bytes);
+        std::memcpy(kslot(g, pos + s), in, row_bytes);
+        std::memcpy(vslot(g, pos + s), in + row_bytes, row_bytes);
       }
   }
+  return attn;
 }
 
 // x [T, H] float32 through every layer; keys/values the cache [L, 1, Hkv, S, D]; per layer 2 norms and 4
@@ -363,9 +373,8 @@ std::tuple<Tensor, std::vector<Tensor>> decoder_stack(
   for (int64_t i = 0; i < layers; i++) {
     Tensor qkv = norm_linear(o, x, norms[2 * i], eps, packed[4 * i], codes[4 * i], biases.get(4 * i));
     Tensor k = keys.select(0, i).select(0, 0), v = values.select(0, i).select(0, 0);  // [Hkv, S, D]
-    Tensor attn = o.rope_attention.call(qkv, cos, signed_sin, k, v, pos, h, hkv, scale);  // [T, H * D]
-    if (!parents.empty()) tree_attention(attn, qkv, cos.contiguous(), signed_sin.contiguous(), pos, k, v, parents, h,
-                                         scale);
+    Tensor attn = parents.empty() ? o.rope_attention.call(qkv, cos, signed_sin, k, v, pos, h, hkv, scale)
+                                  : tree_attention(o, qkv, cos, signed_sin, pos, k, v, parents, h, hkv, scale);
     x = add_linear(o, x, attn, packed[4 * i + 1], codes[4 * i + 1], biases.get(4 * i + 1));
     std::vector<Tensor> gu =
         norm_linear(o, x, norms[2 * i + 1], eps, packed[4 * i + 2], codes[4 * i + 2], biases.get(4 * i + 2)).chunk(2, -1);
