@@ -196,3 +196,40 @@ def test_decode_region_equals_layer_modules_after_long_contexts(tmp_path, fmt, t
     finally:
         target.flat, target.native = True, True
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@torch.inference_mode()
+def test_verify_region_equals_layer_modules_after_long_contexts(tmp_path, threads):
+    """A verify pass of the C++ stack runs in one parallel region (kernels/layers.cpp, rows_region: rows and
+    columns and attention tiles shared by the threads). Its logits, taps and cache are the layer modules' bit
+    for bit for passes of 2, 5, 12 and 40 rows after short and long contexts (a float16 cache; where the
+    per-call attention would split by keys the pass takes the per-call path)."""
+    from .conftest import make_hf_model
+
+    path = make_hf_model("llama", tmp_path / "t", seed=5, max_position_embeddings=1024, num_attention_heads=6,
+                         num_key_value_heads=3, hidden_size=96, intermediate_size=192)
+    target = quantize_blocks(loading.load_target(path, torch.device("cpu"), torch.float32), "q4_0")
+    exact_prefill(target)
+    rng = random.Random(threads)
+    before = torch.get_num_threads()
+    try:
+        for context in (3, 300, 700):
+            prompt = [rng.randrange(255) for _ in range(context)]
+            blocks = [[rng.randrange(255) for _ in range(t)] for t in (2, 5, 12, 40)]
+            runs = []
+            for native, n_threads in ((True, threads), (False, 1)):
+                target.flat, target.native = native, native
+                torch.set_num_threads(n_threads)
+                out = []
+                for block in blocks:
+                    cache = target.new_cache(context + 48)
+                    target(torch.tensor([prompt]), cache, logits=None)
+                    r = target(torch.tensor([block]), cache, logits="all", taps=(4, 1, 4))
+                    n = cache.length
+                    out += [r.logits, r.hidden, cache.k[..., :n, :].clone(), cache.v[..., :n, :].clone()]
+                runs.append(out)
+            assert all(torch.equal(x, y) for x, y in zip(*runs)), (context, threads)
+    finally:
+        target.flat, target.native = True, True
+        torch.set_num_threads(before)

@@ -259,6 +259,44 @@ Tile<KV> pick_tile(int64_t& isa, int64_t hc, int64_t pos, int64_t t, int64_t sta
   return tile;
 }
 
+// attend's tiles for t positions: up to 32 query heads of one kv head's group (hc of them) at pos consecutive
+// positions each; nt position ranges x per (kv heads x head chunks) tasks
+template <typename KV>
+struct TilePlan {
+  Tile<KV> tile;
+  int64_t t, h, d, group, hc, chunks, pos, nt, per, stride;  // stride: a query's scores (whole vectors of 16)
+};
+
+// tasks [i0, i1) of a TilePlan: q [t, H, D] of positions start.., out [t, H * D]
+template <typename KV>
+void tile_tasks(const TilePlan<KV>& p, int64_t i0, int64_t i1, const float* qp, const KV* kp, int64_t ks, int64_t khs,
+                const KV* vp, int64_t vs, int64_t vhs, int64_t start, float scale, float* op) {
+  const int64_t h = p.h, d = p.d, hc = p.hc, pos = p.pos;
+  // each thread's scratch, kept between calls (zeroed as new vectors would be, without the allocations)
+  thread_local std::vector<float> buf, acc;
+  thread_local std::vector<const float*> qs;
+  thread_local std::vector<float*> os;
+  thread_local std::vector<int64_t> ns;
+  buf.assign(hc * pos * p.stride, 0.f), acc.assign(hc * pos * (d + 1), 0.f);
+  qs.assign(hc * pos, nullptr), os.assign(hc * pos, nullptr), ns.assign(hc * pos, 0);
+  for (int64_t i = i0; i < i1; i++) {
+    // tiles in the order 0, last, 1, last - 1, ...: a thread's contiguous share of them is then as much
+    // work as another's although later positions attend to more keys
+    const int64_t r = i / p.per, tt = r % 2 == 0 ? r / 2 : p.nt - 1 - r / 2;
+    const int64_t g = (i % p.per) / p.chunks, h0 = g * p.group + (i % p.chunks) * hc;
+    const int64_t h1 = std::min(h0 + hc, (g + 1) * p.group);
+    int count = 0;
+    for (int64_t qi = tt * pos; qi < std::min(p.t, (tt + 1) * pos); qi++)
+      for (int64_t hi = h0; hi < h1; hi++, count++) {
+        qs[count] = qp + (qi * h + hi) * d;
+        os[count] = op + qi * h * d + hi * d;
+        ns[count] = start + qi + 1;
+      }
+    p.tile(qs.data(), ns.data(), count, kp + g * khs, ks, vp + g * vhs, vs, scale, buf.data(), p.stride, acc.data(),
+           os.data());
+  }
+}
+
 // query heads t * h of q [T, H, D] against a cache k, v [Hkv, S, D] of KV (float or float16) into out
 template <typename KV>
 void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start, double scale,
@@ -285,35 +323,12 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
       return;
   }
   if (tile) {
-    const int64_t nt = (t + pos - 1) / pos, per = hkv * chunks;
+    const TilePlan<KV> p{tile, t, h, d, group, hc, chunks, pos, (t + pos - 1) / pos, hkv * chunks, start + t + 16};
     // about 64k multiply-adds per task before a second thread pays for waking
     const int64_t work = hc * std::min(pos, t) * (start + t) * d * 2;
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(work, 1));
-    const int64_t stride = start + t + 16;  // tile_avx512 stores whole vectors of 16 scores
-    at::parallel_for(0, nt * per, grain, [&](int64_t i0, int64_t i1) {
-      // each thread's scratch, kept between calls (zeroed as new vectors would be, without the allocations)
-      thread_local std::vector<float> buf, acc;
-      thread_local std::vector<const float*> qs;
-      thread_local std::vector<float*> os;
-      thread_local std::vector<int64_t> ns;
-      buf.assign(hc * pos * stride, 0.f), acc.assign(hc * pos * (d + 1), 0.f);
-      qs.assign(hc * pos, nullptr), os.assign(hc * pos, nullptr), ns.assign(hc * pos, 0);
-      for (int64_t i = i0; i < i1; i++) {
-        // tiles in the order 0, last, 1, last - 1, ...: a thread's contiguous share of them is then as much
-        // work as another's although later positions attend to more keys
-        const int64_t r = i / per, tt = r % 2 == 0 ? r / 2 : nt - 1 - r / 2;
-        const int64_t g = (i % per) / chunks, h0 = g * group + (i % chunks) * hc;
-        const int64_t h1 = std::min(h0 + hc, (g + 1) * group);
-        int count = 0;
-        for (int64_t qi = tt * pos; qi < std::min(t, (tt + 1) * pos); qi++)
-          for (int64_t hi = h0; hi < h1; hi++, count++) {
-            qs[count] = qp + (qi * h + hi) * d;
-            os[count] = op + qi * h * d + hi * d;
-            ns[count] = start + qi + 1;
-          }
-        tile(qs.data(), ns.data(), count, kp + g * khs, ks, vp + g * vhs, vs, (float)scale, buf.data(), stride,
-             acc.data(), os.data());
-      }
+    at::parallel_for(0, p.nt * p.per, grain, [&](int64_t i0, int64_t i1) {
+      tile_tasks(p, i0, i1, qp, kp, ks, khs, vp, vs, vhs, start, (float)scale, op);
     });
     return;
   }
@@ -502,6 +517,47 @@ DecodePlan decode_plan(const DecodeCache& c, int64_t start, int64_t h) {
   }
 #endif
   return p;
+}
+
+void rows_rotate(const float* qkv, const float* cos, const float* ssin, float* q, const DecodeCache& c,
+                 int64_t start, int64_t h, int64_t i0, int64_t i1) {
+  const bool f16c = attention_isa() >= 1;
+  if (c.half)
+    rotate_rows(qkv, cos, ssin, q, static_cast<at::Half*>(c.k), static_cast<at::Half*>(c.v), i0, i1, start, h, c.hkv,
+                c.d, c.khs, c.ks, c.vhs, c.vs, f16c);
+  else
+    rotate_rows(qkv, cos, ssin, q, static_cast<float*>(c.k), static_cast<float*>(c.v), i0, i1, start, h, c.hkv, c.d,
+                c.khs, c.ks, c.vhs, c.vs, f16c);
+}
+
+RowsPlan rows_plan(const DecodeCache& c, int64_t start, int64_t t, int64_t h, int64_t threads) {
+  RowsPlan r{};
+  const int64_t d = c.d, hkv = c.hkv, group = h / hkv, hc = std::min<int64_t>(group, 32);
+  const int64_t chunks = (group + hc - 1) / hc;
+  const int64_t pos = tile_positions(t, std::max<int64_t>(1, 32 / hc), hkv * chunks, threads);
+  int64_t isa = attention_isa();
+  void* tile = c.half ? (void*)pick_tile<at::Half>(isa, hc, pos, t, start, d) : (void*)pick_tile<float>(isa, hc, pos, t, start, d);
+  // where causal_attention takes another path (the scalar loop, or the split by keys): none here
+  if (tile == nullptr || (c.half && isa == 2 && start + t >= 512 && t <= 8)) return r;
+  r.ok = true;
+  r.tile = tile;
+  r.t = t, r.h = h, r.group = group, r.hc = hc, r.chunks = chunks, r.pos = pos;
+  r.nt = (t + pos - 1) / pos, r.per = hkv * chunks, r.stride = start + t + 16, r.tasks = r.nt * r.per;
+  return r;
+}
+
+void rows_attend(const RowsPlan& r, int64_t i0, int64_t i1, const float* q, const DecodeCache& c, int64_t start,
+                 double scale, float* out) {
+  if (c.half) {
+    const TilePlan<at::Half> p{(Tile<at::Half>)r.tile, r.t, r.h, c.d, r.group, r.hc, r.chunks, r.pos, r.nt, r.per,
+                               r.stride};
+    tile_tasks(p, i0, i1, q, static_cast<const at::Half*>(c.k), c.ks, c.khs, static_cast<const at::Half*>(c.v), c.vs,
+               c.vhs, start, (float)scale, out);
+  } else {
+    const TilePlan<float> p{(Tile<float>)r.tile, r.t, r.h, c.d, r.group, r.hc, r.chunks, r.pos, r.nt, r.per, r.stride};
+    tile_tasks(p, i0, i1, q, static_cast<const float*>(c.k), c.ks, c.khs, static_cast<const float*>(c.v), c.vs, c.vhs,
+               start, (float)scale, out);
+  }
 }
 
 void decode_step(const DecodePlan& p, int step, int64_t i0, int64_t i1, const float* q, const DecodeCache& c,

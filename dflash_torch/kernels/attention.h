@@ -136,4 +136,21 @@ DecodePlan decode_plan(const DecodeCache& c, int64_t start, int64_t h);
 void decode_step(const DecodePlan& p, int step, int64_t i0, int64_t i1, const float* q, const DecodeCache& c,
                  int64_t start, int64_t h, double scale, float* out);
 
+// A verify pass's attention in parts (layers.cpp's region for several rows): rows_rotate (rows [i0, i1) of qkv
+// [T, (H + 2 Hkv) D] rotated: q [T, H, D] out, keys and values written at positions start + i), then rows_attend
+// on each thread's share of rows_plan's tasks into out [T, H * D]: rope_attention's bits. ok is false where
+// causal_attention would take a path that is not tiles by kv heads and positions (the scalar loop, the split
+// by keys of a float16 cache from 512 keys); threads: as causal_attention counts them (only the split of the
+// work depends on it).
+struct RowsPlan {
+  bool ok;
+  void* tile;  // the Tile<KV> of the cache's type
+  int64_t t, h, group, hc, chunks, pos, nt, per, stride, tasks;
+};
+void rows_rotate(const float* qkv, const float* cos, const float* ssin, float* q, const DecodeCache& c,
+                 int64_t start, int64_t h, int64_t i0, int64_t i1);
+RowsPlan rows_plan(const DecodeCache& c, int64_t start, int64_t t, int64_t h, int64_t threads);
+void rows_attend(const RowsPlan& p, int64_t i0, int64_t i1, const float* q, const DecodeCache& c, int64_t start,
+                 double scale, float* out);
+
 }  // namespace dflash_attention

@@ -86,6 +86,18 @@ void mul_rows(Tensor& out, const Tensor& up, int64_t r0, int64_t r1) {
     for (int64_t i = 0; i < n; i++) o[r * n + i] *= u[r * us + i];
 }
 
+// act(gate) * up for rows r0 .. r1 into out (act 0 silu, 1 gelu (tanh), 2 gelu): the elementwise kernels on
+// the rows' strided views (every row its own inner loop: the bits of one call on all rows), the product by
+// mul_rows where up is float32 with a contiguous last dimension, else Tensor.mul_
+void act_rows(Tensor& out, const Tensor& gate, const Tensor& up, int64_t act, int64_t r0, int64_t r1) {
+  Tensor o = out.slice(0, r0, r1), g = gate.slice(0, r0, r1);
+  if (act == 0) at::silu_out(o, g);
+  else at::gelu_out(o, g, act == 1 ? "tanh" : "none");
+  const bool plain = gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && up.stride(1) == 1;
+  if (plain) mul_rows(out, up, r0, r1);
+  else o.mul_(up.slice(0, r0, r1));
+}
+
 // act(gate) * up (act 0 silu, 1 gelu (tanh), 2 gelu) as `F.silu(gate) * up` computes it; from 4 rows the
 // threads take the rows in shares. Each element gets the operations it gets from one call on all rows
 // (the views are strided, so every row is its own inner loop of the elementwise kernels), so the bits
@@ -124,22 +136,23 @@ Tensor act_mul(const Tensor& gate, const Tensor& up, int64_t act) {
 // tests/test_fast.py). What it saves is a decode step's ~180 forks and joins of the threads, and the tensors,
 // views and dispatch around them. Returns false (nothing done) where it does not apply: biases, a row that
 // is not float32 [1, H], layers shaped differently.
-bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in, const Tensor& cos,
-                   const Tensor& signed_sin, int64_t pos, Tensor& keys, Tensor& values, at::IntArrayRef taps,
-                   at::TensorList norms, at::TensorList packed, at::IntArrayRef codes,
-                   const c10::List<std::optional<Tensor>>& biases, double eps, int64_t h, int64_t hkv, double scale,
-                   int64_t act) {
+// Whether t rows (x [t, H] float32) can run through the stack in one parallel region (decode_region, rows_region):
+// no biases, float32 norms, every layer shaped alike with blocks the size of its matrix (else the per-call path
+// says what is wrong), a float32 or float16 cache [L, 1, Hkv, S, D] with room, rotary tables [t, D].
+bool region_fits(const Tensor& x_in, const Tensor& cos, const Tensor& signed_sin, int64_t pos, const Tensor& keys,
+                 const Tensor& values, at::TensorList norms, at::TensorList packed, at::IntArrayRef codes,
+                 const c10::List<std::optional<Tensor>>& biases, int64_t h, int64_t hkv) {
   using namespace dflash_blocks;
-  const int64_t layers = keys.size(0), hid = x_in.size(1), d = keys.size(-1);
-  if (x_in.size(0) != 1 || !x_in.is_contiguous() || keys.dim() != 5 || keys.size(1) != 1 || h * d != hid ||
-      hid % QK || pos + 1 > keys.size(3))
+  const int64_t layers = keys.size(0), t = x_in.size(0), hid = x_in.size(1), d = keys.size(-1);
+  if (!x_in.is_contiguous() || keys.dim() != 5 || keys.size(1) != 1 || h * d != hid || hid % QK ||
+      pos + t > keys.size(3))
     return false;
   const bool half = keys.scalar_type() == at::kHalf;
   if ((!half && keys.scalar_type() != at::kFloat) || values.scalar_type() != keys.scalar_type() ||
       keys.stride(4) != 1 || values.stride(4) != 1 || values.sizes() != keys.sizes())
     return false;
   if (cos.scalar_type() != at::kFloat || signed_sin.scalar_type() != at::kFloat || !cos.is_contiguous() ||
-      !signed_sin.is_contiguous() || cos.numel() != d || signed_sin.numel() != d)
+      !signed_sin.is_contiguous() || cos.numel() != t * d || signed_sin.numel() != t * d)
     return false;
   for (int64_t i = 0; i < (int64_t)biases.size(); i++)
     if (biases.get(i).has_value()) return false;
@@ -149,7 +162,6 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
     if (w.scalar_type() != at::kByte || !w.is_contiguous()) return false;
   const int64_t fqkv = codes[0] / 8, fgu = codes[2] / 8;
   if (fqkv != (h + 2 * hkv) * d || fgu % (2 * QK)) return false;
-  // every layer shaped alike, and its blocks the size of its matrix (else the per-call path says what is wrong)
   auto fits = [](const Tensor& w, int64_t code, int64_t k) {
     return code % 8 <= Q8_0 && w.numel() == packed_bytes(code % 8, code / 8, k);
   };
@@ -159,6 +171,21 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
         !fits(packed[4 * i + 1], codes[4 * i + 1], hid) || !fits(packed[4 * i + 2], codes[4 * i + 2], hid) ||
         !fits(packed[4 * i + 3], codes[4 * i + 3], fgu / 2))
       return false;
+  return true;
+}
+
+bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in, const Tensor& cos,
+                   const Tensor& signed_sin, int64_t pos, Tensor& keys, Tensor& values, at::IntArrayRef taps,
+                   at::TensorList norms, at::TensorList packed, at::IntArrayRef codes,
+                   const c10::List<std::optional<Tensor>>& biases, double eps, int64_t h, int64_t hkv, double scale,
+                   int64_t act) {
+  using namespace dflash_blocks;
+  if (x_in.size(0) != 1 ||
+      !region_fits(x_in, cos, signed_sin, pos, keys, values, norms, packed, codes, biases, h, hkv))
+    return false;
+  const int64_t layers = keys.size(0), hid = x_in.size(1), d = keys.size(-1);
+  const bool half = keys.scalar_type() == at::kHalf;
+  const int64_t fqkv = codes[0] / 8, fgu = codes[2] / 8;
   const int64_t isa = resolve_isa(-1);
   Tensor x = x_in.clone();  // the residual stream [1, H], updated in place by the o and down projections
   float* xp = x.data_ptr<float>();
@@ -255,6 +282,130 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
       columns();  // x += down(a)
       if (next_tap < tap_layers.size() && tap_layers[next_tap] == i) {
         if (tid == 0) std::memcpy(tapped[next_tap].data_ptr<float>(), xp, sizeof(float) * hid);
+        next_tap++;  // (every thread counts, so that all take the same branches)
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  x_out = x;
+  return true;
+}
+
+// A verify pass (2 .. ROWS_MAX rows) through every layer in one parallel region, as decode_region does for one
+// row: thread 0 sets up each matmul (mm_setup), the threads quantize their shares of its rows (thread 0 all of
+// them below 8 rows) and compute their shares of its columns (mm_columns); each thread rotates its share of the
+// rows and writes their keys and values (rows_rotate), takes its share of the attention's tiles (rows_attend:
+// attend's tiles by kv heads and positions) and of the activation's rows (act_rows). The functions of the
+// per-call path, so its bits (tests/test_exact.py, tests/test_fast.py); what it saves is a pass's ~200 forks
+// and joins and the dispatch and tensors around them. Returns false (nothing done) where it does not apply
+// (region_fits; an attention that causal_attention would split by keys or run on its scalar loop).
+constexpr int64_t ROWS_MAX = 64;
+
+bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in, const Tensor& cos,
+                 const Tensor& signed_sin, int64_t pos, Tensor& keys, Tensor& values, at::IntArrayRef taps,
+                 at::TensorList norms, at::TensorList packed, at::IntArrayRef codes,
+                 const c10::List<std::optional<Tensor>>& biases, double eps, int64_t h, int64_t hkv, double scale,
+                 int64_t act) {
+  using namespace dflash_blocks;
+  const int64_t t = x_in.size(0);
+  if (t < 2 || t > ROWS_MAX || !region_fits(x_in, cos, signed_sin, pos, keys, values, norms, packed, codes, biases,
+                                            h, hkv))
+    return false;
+  const int64_t layers = keys.size(0), hid = x_in.size(1), d = keys.size(-1);
+  const bool half = keys.scalar_type() == at::kHalf;
+  const int64_t fqkv = codes[0] / 8, fgu = codes[2] / 8, inter = fgu / 2;
+  const int64_t esize = half ? 2 : 4;
+  char* kbase = static_cast<char*>(keys.data_ptr());
+  char* vbase = static_cast<char*>(values.data_ptr());
+  auto layer_cache = [&](int64_t i) {
+    return dflash_attention::DecodeCache{kbase + i * keys.stride(0) * esize, vbase + i * values.stride(0) * esize,
+                                         half, hkv, d, keys.stride(2), keys.stride(3), values.stride(2),
+                                         values.stride(3)};
+  };
+  const int64_t isa = resolve_isa(-1);
+  int64_t units = 0;  // every thread of the region takes part in every matmul: as many as the fewest column units
+  for (int64_t f : {fqkv, hid, fgu}) {
+    const int64_t groups = (f + GROUP - 1) / GROUP, u = isa >= VNNI ? (groups + 1) / 2 : groups;
+    units = units == 0 ? u : std::min(units, u);
+  }
+  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  const dflash_attention::RowsPlan plan = dflash_attention::rows_plan(layer_cache(0), pos, t, h, threads);
+  if (!plan.ok) return false;
+  Tensor x = x_in.clone();  // the residual stream [T, H], updated in place by the o and down projections
+  float* xp = x.data_ptr<float>();
+  Tensor yqkv = at::empty({t, fqkv}, x.options()), ygu = at::empty({t, fgu}, x.options());
+  Tensor q = at::empty({t, h, d}, x.options()), attn = at::empty({t, hid}, x.options());
+  Tensor a = at::empty({t, inter}, x.options());  // the activation's output
+  const Tensor gate = ygu.narrow(1, 0, inter), up = ygu.narrow(1, inter, inter);
+  std::vector<int64_t> tap_layers;  // each tapped layer once, in layer order
+  for (int64_t i = 0; i < layers; i++)
+    for (int64_t tp : taps)
+      if (tp == i) {
+        tap_layers.push_back(i);
+        tapped.push_back(at::empty({t, hid}, x.options()));
+        break;
+      }
+  const float *cp = cos.data_ptr<float>(), *sp = signed_sin.data_ptr<float>();
+  thread_local MmScratch scratch;  // (resized by thread 0 alone: the others read it through c's pointers)
+  MmCall c;  // the current matmul: set by thread 0, read by all after the barrier that follows
+  const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the other threads are told
+  const bool split_quantize = t >= 8;
+  std::exception_ptr error;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    c10::InferenceMode mode(inference);
+    auto guarded = [&](auto&& f) {
+      if (error) return;
+      try {
+        f();
+      } catch (...) {
+#pragma omp critical
+        error = std::current_exception();
+      }
+    };
+    // one matmul: thread 0 sets it up (and quantizes every row, below 8 rows), then everyone's share
+    auto matmul = [&](int64_t slot, int64_t n, int64_t k, const float* in, const float* norm_w, float* y,
+                      const float* res) {
+      if (tid == 0)
+        guarded([&] {
+          mm_setup(c, scratch, codes[slot] % 8, isa, false, packed[slot].data_ptr<uint8_t>(), n, k, t, in, norm_w,
+                   (float)eps, y, res);
+          if (!split_quantize) mm_quantize(c, 0, t);
+        });
+#pragma omp barrier
+      if (split_quantize) {
+        const auto [r0, r1] = even_share(t, tid, nth);
+        guarded([&] { mm_quantize(c, r0, r1); });
+#pragma omp barrier
+      }
+      const auto [u0, u1] = even_share(c.units, tid, nth);
+      guarded([&] { mm_columns(c, u0, u1); });
+#pragma omp barrier
+    };
+    size_t next_tap = 0;
+    const auto [r0, r1] = even_share(t, tid, nth);  // this thread's rows (rotation, activation)
+    for (int64_t i = 0; i < layers; i++) {
+      const dflash_attention::DecodeCache cache = layer_cache(i);
+      matmul(4 * i, fqkv, hid, xp, norms[2 * i].data_ptr<float>(), yqkv.data_ptr<float>(), nullptr);
+      guarded([&] {
+        dflash_attention::rows_rotate(yqkv.data_ptr<float>(), cp, sp, q.data_ptr<float>(), cache, pos, h, r0, r1);
+      });
+#pragma omp barrier
+      const auto [a0, a1] = even_share(plan.tasks, tid, nth);
+      guarded([&] {
+        dflash_attention::rows_attend(plan, a0, a1, q.data_ptr<float>(), cache, pos, scale, attn.data_ptr<float>());
+      });
+#pragma omp barrier
+      matmul(4 * i + 1, hid, hid, attn.data_ptr<float>(), nullptr, xp, xp);  // x += o(attn)
+      matmul(4 * i + 2, fgu, hid, xp, norms[2 * i + 1].data_ptr<float>(), ygu.data_ptr<float>(), nullptr);
+      guarded([&] {
+        if (r0 < r1) act_rows(a, gate, up, act, r0, r1);
+      });
+#pragma omp barrier
+      matmul(4 * i + 3, hid, inter, a.data_ptr<float>(), nullptr, xp, xp);  // x += down(a)
+      if (next_tap < tap_layers.size() && tap_layers[next_tap] == i) {
+        if (tid == 0) std::memcpy(tapped[next_tap].data_ptr<float>(), xp, sizeof(float) * t * hid);
         next_tap++;  // (every thread counts, so that all take the same branches)
       }
     }
@@ -368,6 +519,9 @@ std::tuple<Tensor, std::vector<Tensor>> decoder_stack(
   Tensor x = x_in;
   if (parents.empty() && decode_region(x, tapped, x_in, cos, signed_sin, pos, keys, values, taps, norms, packed, codes, biases, eps,
                     h, hkv, scale, act))
+    return {x, tapped};
+  if (parents.empty() && rows_region(x, tapped, x_in, cos, signed_sin, pos, keys, values, taps, norms, packed, codes,
+                                     biases, eps, h, hkv, scale, act))
     return {x, tapped};
   const Ops& o = ops();
   for (int64_t i = 0; i < layers; i++) {
