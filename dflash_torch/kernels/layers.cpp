@@ -291,6 +291,63 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
   return true;
 }
 
+// A tree pass (docs/performance.md, "Tree verification"): row r is the child of row parents[r] (row 0 the
+// root, a parent before its child). Rows 0 .. chain - 1 are a chain (each the child of the row before it): they
+// attend as a verify pass's rows do, at positions pos .. pos + chain - 1. Every other row r, at depth d, attends
+// as the decode step at position pos + d of its own path does: the keys and values of its ancestors lent into
+// the slots pos + 1 .. pos + d - 1 (the chain's kept aside and put back after, `Lend`), its own rotated and
+// written at pos + d (decode_rotate), then that position's attention (decode_plan/decode_step): the functions
+// of a decode step, so its bits. Its keys and values stay in slot pos + r.
+struct TreeRows {
+  std::vector<int64_t> depth;
+  int64_t chain = 1;
+  TreeRows(at::IntArrayRef parents, int64_t t) : depth(t, 0) {
+    TORCH_CHECK((int64_t)parents.size() == t && parents[0] < 0, "parents: one per row, the first row the root");
+    for (int64_t r = 1; r < t; r++) {
+      TORCH_CHECK(parents[r] >= 0 && parents[r] < r, "a row's parent must come before it");
+      depth[r] = depth[parents[r]] + 1;
+      if (chain == r && parents[r] == r - 1) chain++;
+    }
+  }
+};
+
+// The slots a side row borrows in one layer's cache, and giving them back
+struct Lend {
+  const dflash_attention::DecodeCache& c;
+  int64_t es, bytes;  // element size, one row of one head
+  std::vector<char> kept;
+  std::vector<int64_t> path;
+  explicit Lend(const dflash_attention::DecodeCache& cache) : c(cache), es(cache.half ? 2 : 4), bytes(cache.d * es) {}
+  char* k(int64_t g, int64_t s) const { return static_cast<char*>(c.k) + (g * c.khs + s * c.ks) * es; }
+  char* v(int64_t g, int64_t s) const { return static_cast<char*>(c.v) + (g * c.vhs + s * c.vs) * es; }
+  // slots pos + 1 .. pos + d kept aside, r's ancestors' keys and values in pos + 1 .. pos + d - 1
+  void out(at::IntArrayRef parents, int64_t r, int64_t d, int64_t pos) {
+    kept.resize(2 * c.hkv * d * bytes);
+    for (int64_t s = 1; s <= d; s++)
+      for (int64_t g = 0; g < c.hkv; g++) {
+        char* o = kept.data() + ((s - 1) * c.hkv + g) * 2 * bytes;
+        std::memcpy(o, k(g, pos + s), bytes);
+        std::memcpy(o + bytes, v(g, pos + s), bytes);
+      }
+    path.assign(d + 1, 0);  // path[s]: the row at depth s on r's path
+    for (int64_t a = r, s = d; s >= 0; a = parents[a], s--) path[s] = a;
+    for (int64_t s = 1; s < d; s++)  // (path[s] >= s: a slot is read before any copy writes it)
+      if (path[s] != s)
+        for (int64_t g = 0; g < c.hkv; g++) {
+          std::memcpy(k(g, pos + s), k(g, pos + path[s]), bytes);
+          std::memcpy(v(g, pos + s), v(g, pos + path[s]), bytes);
+        }
+  }
+  void back(int64_t d, int64_t pos) {  // the slots kept aside by `out`, put back
+    for (int64_t s = 1; s <= d; s++)
+      for (int64_t g = 0; g < c.hkv; g++) {
+        const char* in = kept.data() + ((s - 1) * c.hkv + g) * 2 * bytes;
+        std::memcpy(k(g, pos + s), in, bytes);
+        std::memcpy(v(g, pos + s), in + bytes, bytes);
+      }
+  }
+};
+
 // A verify pass (2 .. ROWS_MAX rows) through every layer in one parallel region, as decode_region does for one
 // row: thread 0 sets up each matmul (mm_setup), the threads quantize their shares of its rows (thread 0 all of
 // them below 8 rows) and compute their shares of its columns (mm_columns); each thread rotates its share of the
@@ -305,7 +362,7 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
                  const Tensor& signed_sin, int64_t pos, Tensor& keys, Tensor& values, at::IntArrayRef taps,
                  at::TensorList norms, at::TensorList packed, at::IntArrayRef codes,
                  const c10::List<std::optional<Tensor>>& biases, double eps, int64_t h, int64_t hkv, double scale,
-                 int64_t act) {
+                 int64_t act, at::IntArrayRef parents) {
   using namespace dflash_blocks;
   const int64_t t = x_in.size(0);
   if (t < 2 || t > ROWS_MAX || !region_fits(x_in, cos, signed_sin, pos, keys, values, norms, packed, codes, biases,
@@ -329,7 +386,10 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
     units = units == 0 ? u : std::min(units, u);
   }
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
-  const dflash_attention::RowsPlan plan = dflash_attention::rows_plan(layer_cache(0), pos, t, h, threads);
+  // a tree: the chain rows attend as a pass of theirs, each other row as a decode step of its path (TreeRows)
+  const std::optional<TreeRows> tree = parents.empty() ? std::nullopt : std::optional<TreeRows>(TreeRows(parents, t));
+  const int64_t chain = tree ? tree->chain : t;
+  const dflash_attention::RowsPlan plan = dflash_attention::rows_plan(layer_cache(0), pos, chain, h, threads);
   if (!plan.ok) return false;
   Tensor x = x_in.clone();  // the residual stream [T, H], updated in place by the o and down projections
   float* xp = x.data_ptr<float>();
@@ -350,6 +410,14 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
   MmCall c;  // the current matmul: set by thread 0, read by all after the barrier that follows
   const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the other threads are told
   const bool split_quantize = t >= 8;
+  // a side row's rotated query and decode plan (set by thread 0, read by all past a barrier), and the slots it
+  // borrows in the current layer's cache
+  thread_local std::vector<float> qbuf;
+  qbuf.resize(h * d);
+  float* qside = qbuf.data();
+  dflash_attention::DecodePlan side{};
+  dflash_attention::DecodeCache lent = layer_cache(0);  // (every layer's alike but for its pointers)
+  Lend lend(lent);
   std::exception_ptr error;
 #pragma omp parallel num_threads(threads)
   {
@@ -387,6 +455,7 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
     const auto [r0, r1] = even_share(t, tid, nth);  // this thread's rows (rotation, activation)
     for (int64_t i = 0; i < layers; i++) {
       const dflash_attention::DecodeCache cache = layer_cache(i);
+      if (tid == 0) lent = cache;  // (`lend` reads it; thread 0 alone uses `lend`)
       matmul(4 * i, fqkv, hid, xp, norms[2 * i].data_ptr<float>(), yqkv.data_ptr<float>(), nullptr);
       guarded([&] {
         dflash_attention::rows_rotate(yqkv.data_ptr<float>(), cp, sp, q.data_ptr<float>(), cache, pos, h, r0, r1);
@@ -397,6 +466,30 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
         dflash_attention::rows_attend(plan, a0, a1, q.data_ptr<float>(), cache, pos, scale, attn.data_ptr<float>());
       });
 #pragma omp barrier
+      for (int64_t r = chain; r < t; r++) {  // a tree's side rows, one after the other, the threads sharing each
+        const int64_t dr = tree->depth[r];
+        if (tid == 0)
+          guarded([&] {
+            if (r > chain) lend.back(tree->depth[r - 1], pos);
+            lend.out(parents, r, dr, pos);
+            dflash_attention::decode_rotate(yqkv.data_ptr<float>() + r * fqkv, cp + r * d, sp + r * d, qside, cache,
+                                            pos + dr, h);
+            side = dflash_attention::decode_plan(cache, pos + dr, h);
+          });
+#pragma omp barrier
+        for (int st = 0; st < side.steps; st++) {  // (side.steps: the same for every thread past the barrier)
+          const auto [s0, s1] = even_share(side.tasks[st], tid, nth);
+          guarded([&] {
+            dflash_attention::decode_step(side, st, s0, s1, qside, cache, pos + dr, h, scale,
+                                          attn.data_ptr<float>() + r * hid);
+          });
+#pragma omp barrier
+        }
+      }
+      if (chain < t) {
+        if (tid == 0) guarded([&] { lend.back(tree->depth[t - 1], pos); });
+#pragma omp barrier
+      }
       matmul(4 * i + 1, hid, hid, attn.data_ptr<float>(), nullptr, xp, xp);  // x += o(attn)
       matmul(4 * i + 2, fgu, hid, xp, norms[2 * i + 1].data_ptr<float>(), ygu.data_ptr<float>(), nullptr);
       guarded([&] {
@@ -415,69 +508,39 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
   return true;
 }
 
-// A tree pass's attention (docs/performance.md, "Tree verification"). Rows 0 .. C-1 are a chain (each row's
-// parent the row before it): rope_attention gives them a decode step's attention at positions pos .. pos + C - 1
-// and writes their keys and values there. Every other row r, at depth d (parents[r] < r), attends as the
-// decode step at position pos + d of its own path does: the keys and values of its ancestors put into the slots
-// pos + 1 .. pos + d - 1 (the chain's saved first and put back after), its own rotated and written at pos + d
-// (decode_rotate, then copied to its slot pos + r), then that position's attention (decode_plan/decode_step):
-// the functions of a decode step, so its bits. Returns the attention's output [T, H * D].
+
+// A tree pass's attention on the per-call path (where rows_region does not apply): rope_attention on the chain
+// rows, then each side row as a decode step of its own path (TreeRows). Returns the output [T, H * D].
 constexpr int64_t SPLIT_KEYS = 1024;
 
 Tensor tree_attention(const Ops& o, const Tensor& qkv, const Tensor& cos, const Tensor& signed_sin, int64_t pos,
                       Tensor& k, Tensor& v, at::IntArrayRef parents, int64_t h, int64_t hkv, double scale) {
   const int64_t t = qkv.size(0), d = k.size(2), hid = h * d;
-  TORCH_CHECK((int64_t)parents.size() == t && parents[0] < 0, "parents: one per row, the first row the root");
   TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   signed_sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
                   signed_sin.scalar_type() == at::kFloat && cos.numel() == t * d && signed_sin.numel() == t * d,
               "a tree pass takes float32 rows and rotary tables [T, D]");
-  std::vector<int64_t> depth(t, 0);
-  int64_t chain = 1;  // rows 0 .. chain - 1: each the child of the row before it
-  for (int64_t r = 1; r < t; r++) {
-    TORCH_CHECK(parents[r] >= 0 && parents[r] < r, "a row's parent must come before it");
-    depth[r] = depth[parents[r]] + 1;
-    if (chain == r && parents[r] == r - 1) chain++;
-  }
+  const TreeRows tree(parents, t);
+  const int64_t chain = tree.chain;
   Tensor head = o.rope_attention.call(qkv.narrow(0, 0, chain), cos.narrow(0, 0, chain),
                                       signed_sin.narrow(0, 0, chain), k, v, pos, h, hkv, scale);  // [C, H * D]
   if (chain == t) return head;
   Tensor attn = at::empty({t, hid}, qkv.options());
   attn.narrow(0, 0, chain).copy_(head);
-  const bool half = k.scalar_type() == at::kHalf;
-  const int64_t es = half ? 2 : 4, row_bytes = d * es;
-  const dflash_attention::DecodeCache cache{k.data_ptr(), v.data_ptr(), half, hkv, d, k.stride(0), k.stride(1),
-                                            v.stride(0), v.stride(1)};
-  char* kb = static_cast<char*>(k.data_ptr());
-  char* vb = static_cast<char*>(v.data_ptr());
-  auto kslot = [&](int64_t g, int64_t s) { return kb + (g * cache.khs + s * cache.ks) * es; };
-  auto vslot = [&](int64_t g, int64_t s) { return vb + (g * cache.vhs + s * cache.vs) * es; };
-  auto move = [&](int64_t to, int64_t from) {  // slot `from`'s keys and values into slot `to`, every kv head
-    for (int64_t g = 0; g < hkv; g++) {
-      std::memcpy(kslot(g, to), kslot(g, from), row_bytes);
-      std::memcpy(vslot(g, to), vslot(g, from), row_bytes);
-    }
-  };
-  std::vector<char> saved;
+  const dflash_attention::DecodeCache cache{k.data_ptr(), v.data_ptr(), k.scalar_type() == at::kHalf, hkv, d,
+                                            k.stride(0), k.stride(1), v.stride(0), v.stride(1)};
+  Lend lend(cache);
   std::vector<float> q(hid);
-  std::vector<int64_t> path;
   const float* xp = qkv.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = signed_sin.data_ptr<float>();
   for (int64_t r = chain; r < t; r++) {
-    const int64_t dr = depth[r];  // (< r: its slot pos + r is outside the slots it borrows)
-    saved.resize(2 * hkv * dr * row_bytes);
-    for (int64_t s = 1; s <= dr; s++)  // the chain's slots pos + 1 .. pos + dr, kept
-      for (int64_t g = 0; g < hkv; g++) {
-        char* out = saved.data() + ((s - 1) * hkv + g) * 2 * row_bytes;
-        std::memcpy(out, kslot(g, pos + s), row_bytes);
-        std::memcpy(out + row_bytes, vslot(g, pos + s), row_bytes);
-      }
-    path.assign(dr + 1, 0);  // path[s]: the row at depth s on r's path
-    for (int64_t a = r, s = dr; s >= 0; a = parents[a], s--) path[s] = a;
-    for (int64_t s = 1; s < dr; s++)  // (path[s] >= s: a slot is read before any copy writes it)
-      if (path[s] != s) move(pos + s, pos + path[s]);
+    const int64_t dr = tree.depth[r];  // (< r: its slot pos + r is outside the slots it borrows)
+    lend.out(parents, r, dr, pos);
     dflash_attention::decode_rotate(xp + r * qkv.size(1), cp + r * d, sp + r * d, q.data(), cache, pos + dr, h);
-    move(pos + r, pos + dr);  // its own slot, where the kept path's rows are moved from
+    for (int64_t g = 0; g < hkv; g++) {  // its own slot, where a kept path's rows are moved from
+      std::memcpy(lend.k(g, pos + r), lend.k(g, pos + dr), lend.bytes);
+      std::memcpy(lend.v(g, pos + r), lend.v(g, pos + dr), lend.bytes);
+    }
     const dflash_attention::DecodePlan plan = dflash_attention::decode_plan(cache, pos + dr, h);
     float* out = attn.data_ptr<float>() + r * hid;
     // each step's tasks over the threads, a join between steps; over fewer keys than SPLIT_KEYS the
@@ -489,12 +552,7 @@ Tensor tree_attention(const Ops& o, const Tensor& qkv, const Tensor& cos, const 
       if (pos + dr + 1 < SPLIT_KEYS) run(0, plan.tasks[s]);
       else at::parallel_for(0, plan.tasks[s], 1, run);
     }
-    for (int64_t s = 1; s <= dr; s++)
-      for (int64_t g = 0; g < hkv; g++) {
-        const char* in = saved.data() + ((s - 1) * hkv + g) * 2 * row_bytes;
-        std::memcpy(kslot(g, pos + s), in, row_bytes);
-        std::memcpy(vslot(g, pos + s), in + row_bytes, row_bytes);
-      }
+    lend.back(dr, pos);
   }
   return attn;
 }
@@ -520,8 +578,8 @@ std::tuple<Tensor, std::vector<Tensor>> decoder_stack(
   if (parents.empty() && decode_region(x, tapped, x_in, cos, signed_sin, pos, keys, values, taps, norms, packed, codes, biases, eps,
                     h, hkv, scale, act))
     return {x, tapped};
-  if (parents.empty() && rows_region(x, tapped, x_in, cos, signed_sin, pos, keys, values, taps, norms, packed, codes,
-                                     biases, eps, h, hkv, scale, act))
+  if (rows_region(x, tapped, x_in, cos, signed_sin, pos, keys, values, taps, norms, packed, codes, biases, eps, h,
+                  hkv, scale, act, parents))
     return {x, tapped};
   const Ops& o = ops();
   for (int64_t i = 0; i < layers; i++) {
