@@ -41,28 +41,31 @@ def main() -> None:
     cache = target.new_cache(args.context + 40)
     target(prompt, cache, logits=None)
 
-    def timed(block: torch.Tensor, **kw) -> float:
-        times = []
-        for _ in range(args.repeats + 5):  # the first 5 warm up
-            cache.crop(args.context)
-            t0 = time.perf_counter()
-            target(block, cache, logits="all", taps=taps, **kw)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[5:])
+    def once(block: torch.Tensor, **kw) -> float:
+        cache.crop(args.context)
+        t0 = time.perf_counter()
+        target(block, cache, logits="all", taps=taps, **kw)
+        return time.perf_counter() - t0
 
-    print(f"context {args.context}, {torch.get_num_threads()} threads; ms (decode steps)")
+    print(f"context {args.context}, {torch.get_num_threads()} threads; ms (decode steps), medians over rounds "
+          "that run the three passes in turn")
     for w in (int(x) for x in args.widths.split(",")):
         shape = trees.best_shape(FREQ, w - 1)
         block = torch.randint(0, target.config.vocab_size, (1, w), generator=gen)
-        decode = timed(block[:, :1])
-        chain = timed(block)
-        tree = timed(block, parents=shape.parents) if not shape.chain else chain
+        kinds = {"decode": (block[:, :1], {}), "chain": (block, {}), "tree": (block, {"parents": shape.parents})}
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        for r in range(args.repeats + 5):  # the first 5 warm up
+            for name, (b, kw) in kinds.items():
+                t = once(b, **kw)
+                if r >= 5:
+                    times[name].append(t)
+        decode, chain, tree = (statistics.median(times[k]) for k in kinds)
         chain_rows = 1  # rows attending as a chain (the kernel's batched path); the rest one by one
         while chain_rows < w and shape.parents[chain_rows] == chain_rows - 1:
             chain_rows += 1
-        side = w - chain_rows
         print(f"width {w:2d}: decode {decode * 1e3:6.2f}  chain {chain * 1e3:6.2f} ({chain / decode:.2f})  "
-              f"tree {tree * 1e3:6.2f} ({tree / decode:.2f})  side rows {side}, depth {shape.depth}", flush=True)
+              f"tree {tree * 1e3:6.2f} ({tree / decode:.2f})  side rows {w - chain_rows}, depth {shape.depth}",
+              flush=True)
 
 
 if __name__ == "__main__":
