@@ -193,3 +193,36 @@ def test_adaptive_width_prices_trees_by_their_shapes(tiny_models, tmp_path):
     assert adaptive.estimate == ranks.expected_tokens and stats.tree_cycles > 0
     e = [ranks.expected_tokens(b) for b in range(1, 9)]
     assert e[0] == 1.0 and all(a <= b for a, b in zip(e, e[1:]))
+
+
+@torch.inference_mode()
+def test_tree_cycles_leave_the_prefix_cache_a_cold_prefills_bits(tiny_models, tmp_path):
+    """Turns of a conversation through a prefix cache with tree drafts: each equals a cold target-only run, and
+    the kept keys/values and tap features (moved into place after each tree pass) are those of one cold
+    prefill over the same tokens, bit for bit."""
+    from dflash_torch.decoding.prefix_cache import PrefixCache
+
+    target = quantize_blocks(loading.load_target(tiny_models["llama"], torch.device("cpu"), torch.float32), "q4_0")
+    exact_prefill(target)
+    drafter = load_drafter(make_drafter(tiny_models["llama"], tmp_path / "d", block_size=8))
+    taps = drafter.target_layer_ids
+    rng = random.Random(7)
+    prefix = PrefixCache()
+    prompt = [rng.randrange(255) for _ in range(30)]
+    trees_run = 0
+    for turn in range(4):
+        cold = list(generate_tokens(target, prompt, max_new_tokens=20))
+        stats = Stats()
+        warm = list(generate_tokens(target, prompt, max_new_tokens=20, drafter=drafter, stats=stats, prefix=prefix))
+        assert warm == cold, turn
+        trees_run += stats.tree_cycles
+        e = prefix.entries[0]
+        n = len(e.ids)
+        fresh = target.new_cache(n)
+        out = target(torch.tensor([e.ids]), fresh, logits=None, taps=taps)
+        assert torch.equal(fresh.k[..., :n, :], e.cache.k[..., :n, :]), turn
+        assert torch.equal(fresh.v[..., :n, :], e.cache.v[..., :n, :]), turn
+        hidden = e.hidden if isinstance(e.hidden, torch.Tensor) else torch.cat(list(e.hidden), dim=1)
+        assert hidden.shape[1] >= n - 1 and torch.equal(out.hidden[:, : hidden.shape[1]], hidden), turn
+        prompt = prompt + warm + [rng.randrange(255) for _ in range(12)]
+    assert trees_run > 0
