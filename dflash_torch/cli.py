@@ -214,7 +214,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "acceptance_per_position": d["acceptance_per_position"], "block_size": d["block_size"],
                 "mode": d["mode"], "prompt_tokens": d["prompt_tokens"], "lookup_cycles": d["lookup_cycles"],
                 "lookup_drafted": d["lookup_drafted"], "lookup_accepted": d["lookup_accepted"],
-                "verify_widths": d["verify_widths"], "acceptance_lengths": d["acceptance_lengths"]},
+                "verify_widths": d["verify_widths"], "acceptance_lengths": d["acceptance_lengths"],
+                "tree_cycles": d["tree_cycles"], "tree_side_kept": d["tree_side_kept"]},
         }
         if lp is not None:
             def text(t: int) -> str:

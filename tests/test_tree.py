@@ -226,3 +226,21 @@ def test_tree_cycles_leave_the_prefix_cache_a_cold_prefills_bits(tiny_models, tm
         assert hidden.shape[1] >= n - 1 and torch.equal(out.hidden[:, : hidden.shape[1]], hidden), turn
         prompt = prompt + warm + [rng.randrange(255) for _ in range(12)]
     assert trees_run > 0
+
+
+def test_tree_cycles_report_target_only_logprobs(tiny_models, tmp_path):
+    """Each token's log-probability and top alternatives come from the kept path's rows: target-only's, bit for
+    bit."""
+    from dflash_torch.decoding.sampling import TokenLogprobs
+
+    target = quantize_blocks(loading.load_target(tiny_models["qwen2"], torch.device("cpu"), torch.float32), "q8_0")
+    exact_prefill(target)
+    drafter = load_drafter(make_drafter(tiny_models["qwen2"], tmp_path / "d", block_size=8))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    runs = []
+    for d in (None, drafter):
+        lp, stats = TokenLogprobs(3), Stats()
+        out = list(generate_tokens(target, prompt, max_new_tokens=30, drafter=d, stats=stats, logprobs=lp))
+        runs.append((out, lp.entries, stats))
+    assert runs[0][:2] == runs[1][:2]
+    assert runs[1][2].tree_cycles > 0
