@@ -155,6 +155,18 @@ def test_deferred_head_gives_the_whole_heads_rows_and_choices(quantized, fmt):
                 assert torch.equal(got[2], want[2][: got[2].shape[0]]) and got[2].shape[0] > keep
 
 
+def long_context_target(tmp_path, seed: int, fmt: str):
+    """A small Llama with room for 1,024 positions (3 kv heads of 6 query heads) on block weights, prefills
+    attending as decode does (a float16 cache)."""
+    from .conftest import make_hf_model
+
+    path = make_hf_model("llama", tmp_path / "t", seed=seed, max_position_embeddings=1024, num_attention_heads=6,
+                         num_key_value_heads=3, hidden_size=96, intermediate_size=192)
+    target = quantize_blocks(loading.load_target(path, torch.device("cpu"), torch.float32), fmt)
+    exact_prefill(target)
+    return target
+
+
 @pytest.mark.parametrize("fmt", ("q4_0", "q8_0"))
 @pytest.mark.parametrize("threads", [1, 2])
 @torch.inference_mode()
@@ -166,12 +178,7 @@ def test_decode_region_equals_layer_modules_after_long_contexts(tmp_path, fmt, t
     listed out of order and twice."""
     from dflash_torch.models.llama import NativeLayers
 
-    from .conftest import make_hf_model
-
-    path = make_hf_model("llama", tmp_path / "t", seed=3, max_position_embeddings=1024, num_attention_heads=6,
-                         num_key_value_heads=3, hidden_size=96, intermediate_size=192)
-    target = quantize_blocks(loading.load_target(path, torch.device("cpu"), torch.float32), fmt)
-    exact_prefill(target)
+    target = long_context_target(tmp_path, 3, fmt)
     rng = random.Random(fmt)
     before = torch.get_num_threads()
     try:
@@ -205,12 +212,7 @@ def test_verify_region_equals_layer_modules_after_long_contexts(tmp_path, thread
     columns and attention tiles shared by the threads). Its logits, taps and cache are the layer modules' bit
     for bit for passes of 2, 5, 12 and 40 rows after short and long contexts (a float16 cache; where the
     per-call attention would split by keys the pass takes the per-call path)."""
-    from .conftest import make_hf_model
-
-    path = make_hf_model("llama", tmp_path / "t", seed=5, max_position_embeddings=1024, num_attention_heads=6,
-                         num_key_value_heads=3, hidden_size=96, intermediate_size=192)
-    target = quantize_blocks(loading.load_target(path, torch.device("cpu"), torch.float32), "q4_0")
-    exact_prefill(target)
+    target = long_context_target(tmp_path, 5, "q4_0")
     rng = random.Random(threads)
     before = torch.get_num_threads()
     try:

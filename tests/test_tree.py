@@ -16,7 +16,8 @@ from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.models.llama import tree_depths
 from dflash_torch.models.quantize import exact_prefill, quantize_blocks
 
-from .conftest import make_drafter, make_hf_model
+from .conftest import make_drafter
+from .test_exact import long_context_target
 
 pytestmark = [pytest.mark.fastpath,
               pytest.mark.skipif(kernels.ensure() != "compiled", reason="tree passes run on the compiled kernels")]
@@ -88,10 +89,7 @@ def test_tree_rows_equal_decode_steps_along_their_paths(targets, fmt):
 @torch.inference_mode()
 def test_tree_rows_after_long_contexts(tmp_path, threads):
     """After 600 keys (a float16 cache's decode attention splits by keys there), one and two threads."""
-    path = make_hf_model("llama", tmp_path / "t", seed=3, max_position_embeddings=1024, num_attention_heads=6,
-                         num_key_value_heads=3, hidden_size=96, intermediate_size=192)
-    target = quantize_blocks(loading.load_target(path, torch.device("cpu"), torch.float32), "q4_0")
-    exact_prefill(target)
+    target = long_context_target(tmp_path, 3, "q4_0")
     assert target.cache_dtype == torch.float16
     rng = random.Random(threads)
     before = torch.get_num_threads()

@@ -29,13 +29,11 @@ from dflash_torch.decoding.speculative import Stats, generate_tokens
 
 
 @torch.no_grad()
-def replayed(target, drafter, toks: list[int], p: int) -> tuple[float, float]:
-    """(acceptance of the loop replayed from teacher-forced drafts, mean teacher-forced acceptance over
-    all anchors) of reply toks[p:]."""
+def anchor_logits(target, drafter, toks: list[int], p: int):
+    """The drafter's blocks at every anchor of reply toks[p:], teacher-forced (the context features of one target
+    pass over toks): yields (anchors, logits [A, B - 1, V']) for 64 anchors at a time."""
     B, n = drafter.block_size, len(toks)
     feats = target(torch.tensor([toks]), target.new_cache(n), logits=None, taps=drafter.target_layer_ids).hidden[0]
-    tt = torch.tensor(toks + [-100] * B)
-    accept = {}
     anchors = list(range(p, n - 1))
     for i in range(0, len(anchors), 64):  # blocks at 64 anchors per pass, each seeing the context before it
         part = anchors[i : i + 64]
@@ -44,7 +42,28 @@ def replayed(target, drafter, toks: list[int], p: int) -> tuple[float, float]:
         batch = {"ctx": feats[: part[-1]].unsqueeze(0).float(), "ctx_pos": torch.arange(part[-1]),
                  "block": block.view(1, -1), "q_pos": torch.cat([torch.arange(a, a + B) for a in part]),
                  "ctx_start": torch.zeros(len(part), dtype=torch.long), "ctx_len": torch.tensor(part), "mask": None}
-        logits = T.block_logits(drafter, drafter, target, batch, torch.device("cpu"))
+        yield part, T.block_logits(drafter, drafter, target, batch, torch.device("cpu"))
+
+
+def load_float32(drafter_path: str):
+    """(target, tokenizer, stop ids, drafter) as `dflash train --eval --draft-window 0` loads them: the default
+    model in float32, the drafter over its whole context."""
+    path = loading.resolve_model(None)
+    target = loading.load_target(path, torch.device("cpu"), torch.float32)
+    tok = loading.load_tokenizer(path)
+    drafter = load_drafter(drafter_path, device=torch.device("cpu"), dtype=torch.float32)
+    drafter.set_window(None)
+    return target, tok, loading.stop_token_ids(path, tok), drafter
+
+
+@torch.no_grad()
+def replayed(target, drafter, toks: list[int], p: int) -> tuple[float, float]:
+    """(acceptance of the loop replayed from teacher-forced drafts, mean teacher-forced acceptance over
+    all anchors) of reply toks[p:]."""
+    B, n = drafter.block_size, len(toks)
+    tt = torch.tensor(toks + [-100] * B)
+    accept = {}
+    for part, logits in anchor_logits(target, drafter, toks, p):
         labels = drafter.draft_labels(torch.stack([tt[a + 1 : a + B] for a in part]))
         hit = (logits.argmax(-1) == labels).int().cumprod(-1)
         accept.update(zip(part, (1 + hit.sum(-1)).tolist()))
@@ -77,12 +96,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    path = loading.resolve_model(None)
-    target = loading.load_target(path, torch.device("cpu"), torch.float32)
-    tok = loading.load_tokenizer(path)
-    stops = loading.stop_token_ids(path, tok)
-    drafter = load_drafter(args.drafter, device=torch.device("cpu"), dtype=torch.float32)
-    drafter.set_window(None)
+    target, tok, stops, drafter = load_float32(args.drafter)
     for name, chats in prompt_sets(tok, args.per_set, args.skip, args.max_prompt_tokens).items():
         real = []
         for msgs in chats:

@@ -21,29 +21,18 @@ import heapq
 import statistics
 
 import torch
+from seen_prompts_probe import anchor_logits, load_float32  # (this folder: a script's own is on the path)
 
-from dflash_torch import data, loading
-from dflash_torch import train as T
-from dflash_torch.decoding.drafter import load_drafter
+from dflash_torch import data
 from dflash_torch.decoding.speculative import generate_tokens
 
 
 @torch.no_grad()
 def anchor_ranks(target, drafter, toks: list[int], p: int, depth: int) -> dict[int, list[int]]:
     """{anchor: [rank of the target's token at block position 1 .. depth]} over reply toks[p:]."""
-    B, n = drafter.block_size, len(toks)
-    feats = target(torch.tensor([toks]), target.new_cache(n), logits=None, taps=drafter.target_layer_ids).hidden[0]
-    out = {}
-    anchors = list(range(p, n - 1))
-    for i in range(0, len(anchors), 64):
-        part = anchors[i : i + 64]
-        block = torch.full((len(part), B), drafter.mask_token_id)
-        block[:, 0] = torch.tensor([toks[a] for a in part])
-        batch = {"ctx": feats[: part[-1]].unsqueeze(0).float(), "ctx_pos": torch.arange(part[-1]),
-                 "block": block.view(1, -1), "q_pos": torch.cat([torch.arange(a, a + B) for a in part]),
-                 "ctx_start": torch.zeros(len(part), dtype=torch.long), "ctx_len": torch.tensor(part), "mask": None}
-        logits = T.block_logits(drafter, drafter, target, batch, torch.device("cpu"))  # [A, B - 1, V']
-        vocab = getattr(drafter, "draft_vocab", None)
+    n, out = len(toks), {}
+    vocab = getattr(drafter, "draft_vocab", None)
+    for part, logits in anchor_logits(target, drafter, toks, p):  # [A, B - 1, V']
         for j, a in enumerate(part):
             ranks = []
             for k in range(min(depth, n - 1 - a)):
@@ -93,12 +82,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    path = loading.resolve_model(None)
-    target = loading.load_target(path, torch.device("cpu"), torch.float32)
-    tok = loading.load_tokenizer(path)
-    stops = loading.stop_token_ids(path, tok)
-    drafter = load_drafter(args.drafter, device=torch.device("cpu"), dtype=torch.float32)
-    drafter.set_window(None)
+    target, tok, stops, drafter = load_float32(args.drafter)
     depth = drafter.block_size - 1
     replies = []
     for kind, chats in data.heldout_prompts(args.per_kind, args.per_kind, args.per_kind).items():
