@@ -169,7 +169,7 @@ class DrafterProposer:
         if bs == 1:
             return None
         if self.ranks is not None:  # a tree of bs - 1 nodes (where the likeliest is a chain, a chain)
-            return self._draft_tree(token, self.ranks.shape(bs - 1), device)
+            return self._draft_tree(token, bs - 1, device)
         block = torch.full((1, bs), self.drafter.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = token
         ctx = self._context()
@@ -197,18 +197,21 @@ class DrafterProposer:
         return (self.pending[0] if len(self.pending) == 1 else list(self.pending)
                 if getattr(self.drafter, "window", None) is not None else torch.cat(self.pending, dim=1))
 
-    def _draft_tree(self, token: int, shape: trees.Shape, device) -> Draft:
-        """The drafter's block over the tree's depth, its top candidates per position, the tree's tokens."""
-        block = torch.full((1, shape.depth + 1), self.drafter.mask_token_id, dtype=torch.long, device=device)
+    def _draft_tree(self, token: int, nodes: int, device) -> Draft:
+        """The drafter's block of nodes + 1 positions, its top candidates per position with its own probabilities
+        of them, and the tree of the `nodes` paths likeliest under those probabilities (`trees.best_shape`:
+        deep where the drafter is sure, wide where it is not; a chain where that is likeliest)."""
+        block = torch.full((1, nodes + 1), self.drafter.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = token
         vocab = getattr(self.drafter, "draft_vocab", None)
         kw = {} if vocab is None else {"full": False}  # over the draft vocabulary's rows where there is one
-        logits = self.drafter.propose(self.target, block, self._context(), self.cache, **kw)[0]  # [depth, V']
-        top = logits.topk(min(shape.kmax, logits.shape[-1]), dim=-1).indices  # [depth, k]
-        if vocab is not None:
-            top = vocab[top]
+        logits = self.drafter.propose(self.target, block, self._context(), self.cache, **kw)[0].float()  # [n, V']
+        top = logits.topk(min(trees.KMAX, logits.shape[-1]), dim=-1)  # [n, k]
+        probs = (top.values - logits.logsumexp(-1, keepdim=True)).exp()  # the drafter's softmax at its candidates
+        shape = trees.best_shape(probs.tolist(), nodes)
+        ids = top.indices if vocab is None else vocab[top.indices]
         self.pending = []
-        self.top = top.tolist()
+        self.top = ids.tolist()
         tokens = shape.tokens(token, self.top)
         return Draft(self, torch.tensor([tokens], device=device), None, None if shape.chain else shape.parents)
 

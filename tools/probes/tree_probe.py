@@ -9,7 +9,8 @@ the target's token among the drafter's logits is kept for every block position. 
 paths closed under prefixes; at an anchor it keeps the longest path whose ranks are all the target's ranks.
 Then the loop is replayed: anchor -> anchor + kept + 1. The trees: the chain (what the loop verifies today)
 and, for each size, the nodes of highest probability under the ranks' frequencies measured per position
-(over the same prompts: an upper estimate for a tree fixed in advance).
+(over the same prompts: an upper estimate for a tree fixed in advance), and per anchor, the nodes of highest
+probability under the drafter's own probabilities of its candidates at that anchor ("dynamic").
 
     python tools/probes/tree_probe.py --per-kind 4 --sizes 3,7,15
 """
@@ -28,12 +29,15 @@ from dflash_torch.decoding.speculative import generate_tokens
 
 
 @torch.no_grad()
-def anchor_ranks(target, drafter, toks: list[int], p: int, depth: int) -> dict[int, list[int]]:
-    """{anchor: [rank of the target's token at block position 1 .. depth]} over reply toks[p:]."""
-    n, out = len(toks), {}
+def anchor_ranks(target, drafter, toks: list[int], p: int, depth: int, kmax: int = 8):
+    """({anchor: [rank of the target's token at block position 1 .. depth]}, {anchor: the drafter's own
+    probabilities of its top kmax candidates per position [depth][kmax]}) over reply toks[p:]."""
+    n, out, probs = len(toks), {}, {}
     vocab = getattr(drafter, "draft_vocab", None)
     for part, logits in anchor_logits(target, drafter, toks, p):  # [A, B - 1, V']
+        top = logits[:, :depth].float().softmax(-1).topk(kmax, dim=-1).values  # [A, depth, kmax]
         for j, a in enumerate(part):
+            probs[a] = top[j].tolist()
             ranks = []
             for k in range(min(depth, n - 1 - a)):
                 true = toks[a + 1 + k]
@@ -48,7 +52,7 @@ def anchor_ranks(target, drafter, toks: list[int], p: int, depth: int) -> dict[i
                     score = row[true]
                 ranks.append(int((row > score).sum()))  # ties counted in the token's favour
             out[a] = ranks
-    return out
+    return out, probs
 
 
 def best_tree(freq: list[list[float]], size: int, kmax: int) -> list[tuple[int, ...]]:
@@ -89,16 +93,17 @@ def main() -> None:
         for msgs in chats:
             ids = data.encode_chat(tok, msgs)
             out = [int(t) for t in generate_tokens(target, ids, max_new_tokens=args.tokens, stop_token_ids=stops)]
-            replies.append((kind, len(ids), anchor_ranks(target, drafter, ids + out, len(ids), depth), len(ids + out)))
+            ranks, probs = anchor_ranks(target, drafter, ids + out, len(ids), depth, args.kmax)
+            replies.append((kind, len(ids), ranks, len(ids + out), probs))
             print(f"{kind}: {len(out)} tokens", flush=True)
     freq = [[0.0] * args.kmax for _ in range(depth)]
-    for _, _, ranks, _ in replies:
+    for _, _, ranks, _, _ in replies:
         for r in ranks.values():
             for k, x in enumerate(r):
                 if x < args.kmax:
                     freq[k][x] += 1
     for k in range(depth):
-        total = sum(len(r) > k for _, _, ranks, _ in replies for r in ranks.values())
+        total = sum(len(r) > k for _, _, ranks, _, _ in replies for r in ranks.values())
         freq[k] = [f / max(total, 1) for f in freq[k]]
     print("rank frequencies at positions 1..4 (ranks 0..kmax-1):")
     for k in range(4):
@@ -108,17 +113,20 @@ def main() -> None:
         trees[f"chain-{d}"] = {tuple([0] * i) for i in range(1, d + 1)}
     for s in (int(x) for x in args.sizes.split(",")):
         trees[f"tree-{s}"] = set(best_tree(freq, s, args.kmax))
-    for name, tree in trees.items():
+    sizes = [int(x) for x in args.sizes.split(",")]
+    for name, tree in [*trees.items(), *((f"dynamic-{s}", s) for s in sizes)]:
         per_kind: dict[str, list[float]] = {}
-        for kind, p, ranks, n in replies:
+        for kind, p, ranks, n, probs in replies:
             a, cycles = p, 0
             while a < n - 1:
-                a += kept(tree, ranks[a]) + 1
+                # dynamic: this anchor's likeliest paths under the drafter's own probabilities
+                t = set(best_tree(probs[a], tree, args.kmax)) if isinstance(tree, int) else tree
+                a += kept(t, ranks[a]) + 1
                 cycles += 1
             per_kind.setdefault(kind, []).append((n - 1 - p) / cycles)
         means = {k: statistics.mean(v) for k, v in per_kind.items()}
         allm = statistics.mean(x for v in per_kind.values() for x in v)
-        shape = "" if name.startswith("chain") else " " + " ".join("".join(map(str, q)) for q in sorted(tree, key=len))
+        shape = "" if not name.startswith("tree") else " " + " ".join("".join(map(str, q)) for q in sorted(tree, key=len))  # noqa: E501
         print(f"{name:9s} " + " ".join(f"{k} {v:.3f}" for k, v in means.items()) + f"  mean {allm:.3f}{shape}",
               flush=True)
 
