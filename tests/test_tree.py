@@ -242,3 +242,19 @@ def test_tree_cycles_report_target_only_logprobs(tiny_models, tmp_path):
         runs.append((out, lp.entries, stats))
     assert runs[0][:2] == runs[1][:2]
     assert runs[1][2].tree_cycles > 0
+
+
+def test_walk_keeps_the_longest_path_of_the_targets_choices():
+    """On random trees and choices: the kept rows form a path from the root, each row's token is the target's
+    choice at its parent, the next token is the choice at the last kept row, and no child of that row holds it."""
+    rng = random.Random(11)
+    for _ in range(300):
+        t = rng.randint(1, 16)
+        parents = random_tree(rng, t)
+        tokens = [rng.randrange(4) for _ in range(t)]
+        choice = [rng.randrange(4) for _ in range(t)]
+        rows, bonus = trees.walk(parents, tokens, choice)
+        assert rows[0] == 0 and bonus == choice[rows[-1]]
+        for a, b in zip(rows, rows[1:]):
+            assert parents[b] == a and tokens[b] == choice[a]
+        assert not any(parents[r] == rows[-1] and tokens[r] == bonus for r in range(1, t))
