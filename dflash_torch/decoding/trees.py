@@ -33,7 +33,6 @@ class Shape:
     paths: list[tuple[int, ...]]
     parents: list[int] = field(init=False)  # per row, its parent row (-1 for row 0)
     depth: int = field(init=False)  # the longest path: block positions the drafter must fill
-    kmax: int = KMAX
 
     def __post_init__(self) -> None:
         row = {p: i + 1 for i, p in enumerate(self.paths)}
@@ -48,14 +47,6 @@ class Shape:
         """The pass's tokens: root, then each path's last rank at its depth from top[depth - 1] (candidate
         token ids per position, best first)."""
         return [root] + [top[len(p) - 1][p[-1]] for p in self.paths]
-
-    def frontier(self) -> list[tuple[int, ...]]:
-        """The paths one step outside the shape (for tests: none more likely than a chosen one)."""
-        inside = set(self.paths)
-        out = [(r,) for r in range(self.kmax) if (r,) not in inside]
-        for p in self.paths:
-            out += [p + (r,) for r in range(self.kmax) if p + (r,) not in inside]
-        return out
 
 
 def probability(freq: list[list[float]], path: tuple[int, ...]) -> float:
@@ -82,7 +73,7 @@ def best_shape(freq: list[list[float]], nodes: int) -> Shape:
                 heapq.heappush(heap, (-probability(freq, path + (r,)), path + (r,)))
     spine = [p for p in chosen if not any(p)]
     rest = [p for p in chosen if any(p)]
-    return Shape(spine + rest, kmax=kmax)
+    return Shape(spine + rest)
 
 
 def walk(parents: list[int], tokens: list[int], choice: list[int]) -> tuple[list[int], int]:
