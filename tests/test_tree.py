@@ -261,3 +261,93 @@ def test_walk_keeps_the_longest_path_of_the_targets_choices():
         for a, b in zip(rows, rows[1:]):
             assert parents[b] == a and tokens[b] == choice[a]
         assert not any(parents[r] == rows[-1] and tokens[r] == bonus for r in range(1, t))
+
+
+def test_tree_shape_under_a_selector_takes_the_likeliest_conditional_paths():
+    """With transition chances (a candidate selector: a position's candidates priced given its parent's), the
+    shape holds the `nodes` likeliest paths under them, each after its prefix, its first rows the chain of each
+    node's likeliest child; with every transition row equal to the independent table it is that table's shape."""
+    rng = random.Random(3)
+    for _ in range(50):
+        depth, k = rng.randint(1, 5), rng.randint(1, 4)
+        freq = [sorted((rng.random() / k for _ in range(k)), reverse=True) for _ in range(depth)]
+        trans = [[[rng.random() / k for _ in range(k)] for _ in range(k)] for _ in range(depth - 1)]
+
+        def prob(path):
+            p = freq[0][path[0]]
+            for d in range(1, len(path)):
+                p *= trans[d - 1][path[d - 1]][path[d]]
+            return p
+
+        for nodes in (1, 3, 7, 15):
+            shape = trees.best_shape(freq, nodes, trans)
+            n = min(nodes, sum(k ** d for d in range(1, depth + 1)))
+            assert len(set(shape.paths)) == len(shape.paths) == n
+            for i, p in enumerate(shape.paths):
+                assert len(p) == 1 or shape.paths.index(p[:-1]) < i
+            inside = set(shape.paths)
+            frontier = [q for q in [(r,) for r in range(k)] + [p + (r,) for p in shape.paths if len(p) < depth
+                                                                for r in range(k)] if q not in inside]
+            assert all(prob(q) <= min(map(prob, shape.paths)) + 1e-12 for q in frontier)
+            spine = [p for p in shape.paths if len(p) == shape.paths.index(p) + 1 and
+                     all(shape.paths[j] == p[: j + 1] for j in range(len(p)))]
+            for p in spine:  # each spine row is its parent's likeliest child in the shape
+                siblings = [q for q in shape.paths if len(q) == len(p) and q[:-1] == p[:-1]]
+                assert prob(p) == max(map(prob, siblings))
+        same = [[list(freq[d + 1]) for _ in range(k)] for d in range(depth - 1)]
+        for nodes in (1, 4, 9):
+            assert trees.best_shape(freq, nodes, same).paths == trees.best_shape(freq, nodes).paths
+
+
+def _selector_drafter(tiny_model, path, scale: float):
+    """A random drafter for `tiny_model` exported as DFlash2 with a selector whose interaction term is random
+    (scale > 0) or zero (a fresh selector, scale 0): `train_selector.export_dflash2`, as `dflash train --selector`."""
+    from dflash_torch.train_selector import Selector, export_dflash2
+
+    base = make_drafter(tiny_model, path / "base", block_size=16)
+    sel = Selector(64, 256, 4)
+    sel.reset(0)
+    with torch.no_grad():
+        sel.successor_codebook.normal_(0, scale)
+    return load_drafter(export_dflash2(base, sel, path / "dflash2", top_k=6, dtype="float32"))
+
+
+@torch.inference_mode()
+def test_a_fresh_selectors_transitions_are_the_drafters_own_chances(tiny_models, tmp_path):
+    d = _selector_drafter(tiny_models["llama"], tmp_path, 0.0)
+    probs = torch.softmax(torch.randn(5, 256), -1).topk(6, dim=-1)
+    first, trans = d.candidate_selector.transitions(probs.values, probs.indices, torch.randn(5, 64), 7)
+    assert torch.allclose(first, probs.values[0], rtol=1e-5, atol=0)
+    assert torch.allclose(trans, probs.values[1:, None].expand(4, 6, 6), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ("q4_0", "q8_0"))
+def test_tree_drafts_with_a_selector_equal_target_only_output(tiny_models, tmp_path, fmt):
+    """A DFlash2 drafter's selector prices each tree node given its parent: generation equals target-only
+    greedy output at widths 2..16, trees were drafted, and their shapes are not those without the selector."""
+    target = quantize_blocks(loading.load_target(tiny_models["llama"], torch.device("cpu"), torch.float32), fmt)
+    exact_prefill(target)
+    drafter = quantize_blocks(_selector_drafter(tiny_models["llama"], tmp_path, 3.0), fmt)
+    shapes = []
+    best_shape = trees.best_shape
+
+    def spy(freq, nodes, trans=None):
+        shape = best_shape(freq, nodes, trans)
+        if trans is not None:  # freq[1:]: the drafter's own chances, as a drafter without a selector prices them
+            shapes.append(shape.paths != best_shape(freq, nodes).paths)
+        return shape
+
+    rng = random.Random(fmt)
+    tree_cycles = 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trees, "best_shape", spy)
+        for i in range(6):
+            prompt = [rng.randrange(255) for _ in range(rng.randint(1, 8))] * 2
+            want = list(generate_tokens(target, prompt, max_new_tokens=20))
+            for bs in (2, 4, 8, 16):
+                stats = Stats()
+                got = list(generate_tokens(target, prompt, max_new_tokens=20, drafter=drafter, block_size=bs,
+                                           stats=stats, lookup=i % 2 == 1))
+                assert got == want, (fmt, i, bs)
+                tree_cycles += stats.tree_cycles
+    assert tree_cycles > 0 and any(shapes)

@@ -180,6 +180,24 @@ class CandidateSelector(nn.Module):
         return Selection(cand.gather(1, index)[:, 0], cand, torch.stack(scores),
                          torch.stack(probs) if probs else None)
 
+    @torch.no_grad()
+    def transitions(self, probs: torch.Tensor, cand: torch.Tensor, hidden: torch.Tensor,
+                    anchor: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selector's chances for a tree of candidates (trees.best_shape): probs [K, k] the drafter's own
+        softmax at candidates cand [K, k] (token ids, best first), hidden [K, H] -> (first [k]: each candidate
+        of position 1 given the anchor, trans [K - 1, k, k]: candidate m of position j + 1 given candidate q
+        of position j). Each row is the selector's softmax over the candidates, times the drafter's mass on
+        them (the chance that the target's token is one of them), so that without an interaction term
+        (a fresh selector) they are the drafter's own probabilities."""
+        proj = self.hidden_projection(hidden).float()  # [K, r]
+        succ = self.successor_codebook[cand].float() * proj[:, None]  # [K, k, r]
+        score = probs.clamp_min(1e-30).log()  # [K, k]: the logits up to a per-position constant
+        mass = probs.sum(-1, keepdim=True)  # [K, 1]
+        first = (score[0] + succ[0] @ self.predecessor_codebook[anchor].float()).softmax(-1) * mass[0]  # [k]
+        pairs = self.predecessor_codebook[cand[:-1]].float() @ succ[1:].transpose(1, 2)  # [K - 1, k, k]
+        trans = (score[1:, None, :] + pairs).softmax(-1) * mass[1:, None]  # [K - 1, k (prev), k]
+        return first, trans
+
 
 class DFlash2Drafter(DFlashDrafter):
     """A DFlash2 drafter: the first format's drafter with `DFlash2Layer`s and a `CandidateSelector`.
@@ -225,12 +243,13 @@ class DFlash2Drafter(DFlashDrafter):
                 state[name] = state.pop(f"{name}.weight")
         return state
 
-    def propose(self, target: nn.Module, block: torch.Tensor, ctx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Draft logits [B, bs - 1, V], as `DFlashDrafter.propose`; the hidden states of block positions
-        1.. stay for `select` (its p_j)."""
+    def propose(self, target: nn.Module, block: torch.Tensor, ctx: torch.Tensor, cache: KVCache,
+                full: bool = True) -> torch.Tensor:
+        """Draft logits [B, bs - 1, V], as `DFlashDrafter.propose` (full=False: over a draft vocabulary's
+        rows); the hidden states of block positions 1.. stay for `select` and `transitions` (their p_j)."""
         hidden = self.draft_hidden(target, block, ctx, cache)  # [B, bs, H]
         self.last_hidden = hidden[0, 1:]
-        return self.logits(hidden[:, 1:].to(target.embed_tokens.weight.dtype), target.lm_head)
+        return self.logits(hidden[:, 1:].to(target.embed_tokens.weight.dtype), target.lm_head, full=full)
 
     @torch.no_grad()  # a choice of tokens: nothing to differentiate
     def select(self, draft_logits: torch.Tensor, anchor: int, sampler) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -152,8 +152,7 @@ class DrafterProposer:
         # trees of candidates where the choice is the argmax and the target verifies trees
         vt = getattr(target, "verifies_trees", None)
         self.ranks = (trees.shared_ranks(drafter) if TREES and sampler.greedy and history is None
-                      and constraint is None and getattr(drafter, "select", None) is None and vt is not None
-                      and vt(block_size) else None)
+                      and constraint is None and vt is not None and vt(block_size) else None)
         estimate = getattr(controller, "estimate_with", None)  # the adaptive width prices trees by their shapes
         if estimate is not None:
             estimate(self.ranks.expected_tokens if self.ranks is not None else None)
@@ -200,16 +199,23 @@ class DrafterProposer:
     def _draft_tree(self, token: int, nodes: int, device) -> Draft:
         """The drafter's block of nodes + 1 positions, its top candidates per position with its own probabilities
         of them, and the tree of the `nodes` paths likeliest under those probabilities (`trees.best_shape`:
-        deep where the drafter is sure, wide where it is not; a chain where that is likeliest)."""
+        deep where the drafter is sure, wide where it is not; a chain where that is likeliest). A drafter with a
+        candidate selector (DFlash2) prices each candidate given its parent's token instead."""
         block = torch.full((1, nodes + 1), self.drafter.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = token
         vocab = getattr(self.drafter, "draft_vocab", None)
         kw = {} if vocab is None else {"full": False}  # over the draft vocabulary's rows where there is one
         logits = self.drafter.propose(self.target, block, self._context(), self.cache, **kw)[0].float()  # [n, V']
-        top = logits.topk(min(trees.KMAX, logits.shape[-1]), dim=-1)  # [n, k]
+        selector = getattr(self.drafter, "candidate_selector", None)
+        k = min(trees.KMAX if selector is None else selector.top_k, logits.shape[-1])
+        top = logits.topk(k, dim=-1)  # [n, k]
         probs = (top.values - logits.logsumexp(-1, keepdim=True)).exp()  # the drafter's softmax at its candidates
-        shape = trees.best_shape(probs.tolist(), nodes)
         ids = top.indices if vocab is None else vocab[top.indices]
+        if selector is None:
+            shape = trees.best_shape(probs.tolist(), nodes)
+        else:  # position 1 given the anchor, each later one given its parent's candidate
+            first, trans = selector.transitions(probs, ids, self.drafter.last_hidden, token)
+            shape = trees.best_shape([first.tolist(), *probs[1:].tolist()], nodes, trans.tolist())
         self.pending = []
         self.top = ids.tolist()
         tokens = shape.tokens(token, self.top)

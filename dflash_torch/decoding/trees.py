@@ -57,23 +57,33 @@ def probability(freq: list[list[float]], path: tuple[int, ...]) -> float:
     return p
 
 
-def best_shape(freq: list[list[float]], nodes: int) -> Shape:
-    """The `nodes` likeliest rank paths (freq[k][r]: how often the target's token is the drafter's rank r at
-    position k + 1), the all-first-choices chain first (rows that attend as a chain cost least), each path
-    after its prefix."""
+def best_shape(freq: list[list[float]], nodes: int, trans: list[list[list[float]]] | None = None) -> Shape:
+    """The `nodes` likeliest rank paths, each after its prefix, the chain of each node's likeliest child first
+    (rows that attend as a chain cost least; for ranks by probability, the all-first-choices chain).
+
+    freq[k][r]: the chance that the target's token at position k + 1 is the drafter's rank r there. With
+    `trans` (a drafter whose positions depend on each other: a candidate selector), position k + 1 > 1 takes
+    trans[k - 1][q][r] instead: the chance of rank r there given rank q at position k."""
     kmax = max((len(f) for f in freq), default=1)
-    heap = [(-probability(freq, (r,)), (r,)) for r in range(kmax)]
+    heap = [(-freq[0][r], (r,)) for r in range(len(freq[0]))] if freq else []
     heapq.heapify(heap)
     chosen: list[tuple[int, ...]] = []
+    first_child: dict[tuple[int, ...], tuple[int, ...]] = {}
     while heap and len(chosen) < nodes:
         negp, path = heapq.heappop(heap)  # a prefix is at least as likely as its extensions: popped first
         chosen.append(path)
-        if len(path) < len(freq):
-            for r in range(kmax):
-                heapq.heappush(heap, (-probability(freq, path + (r,)), path + (r,)))
-    spine = [p for p in chosen if not any(p)]
-    rest = [p for p in chosen if any(p)]
-    return Shape(spine + rest)
+        first_child.setdefault(path[:-1], path)  # popped in order of probability: its parent's likeliest
+        k = len(path)
+        if k < len(freq):
+            row = trans[k - 1][path[-1]] if trans is not None else freq[k]
+            for r in range(min(kmax, len(row))):
+                heapq.heappush(heap, (negp * row[r], path + (r,)))
+    spine, node = [], ()
+    while node in first_child:
+        node = first_child[node]
+        spine.append(node)
+    taken = set(spine)
+    return Shape(spine + [p for p in chosen if p not in taken])
 
 
 def walk(parents: list[int], tokens: list[int], choice: list[int]) -> tuple[list[int], int]:
