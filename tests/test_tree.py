@@ -273,7 +273,7 @@ def test_tree_shape_under_a_selector_takes_the_likeliest_conditional_paths():
         freq = [sorted((rng.random() / k for _ in range(k)), reverse=True) for _ in range(depth)]
         trans = [[[rng.random() / k for _ in range(k)] for _ in range(k)] for _ in range(depth - 1)]
 
-        def prob(path):
+        def prob(path, freq=freq, trans=trans):
             p = freq[0][path[0]]
             for d in range(1, len(path)):
                 p *= trans[d - 1][path[d - 1]][path[d]]
