@@ -5,6 +5,7 @@ prompt by prompt; every output compared with the other's.
 
     python tools/probes/tree_eval_probe.py --per-kind 4 --block 16
     python tools/probes/tree_eval_probe.py --per-kind 4 --adaptive
+    python tools/probes/tree_eval_probe.py --per-kind 4 --block 16 --draft runs/sel8/drafter   # another drafter
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dflash_torch.generate import load
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quantize", default="auto")
+    ap.add_argument("--draft", default="auto", help="the drafter (default: the model's registered one)")
     ap.add_argument("--per-kind", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--block", type=int, default=16)
@@ -33,7 +35,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    p = load(quantize=args.quantize, quiet=True)
+    p = load(draft=args.draft, quantize=args.quantize, quiet=True)
     rows = []
     for kind, chats in data.heldout_prompts(args.per_kind, args.per_kind, args.per_kind).items():
         for i, msgs in enumerate(chats):
