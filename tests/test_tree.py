@@ -4,6 +4,7 @@ greedy output exactly."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -305,7 +306,8 @@ def _selector_drafter(tiny_model, path, scale: float):
     from dflash_torch.train_selector import Selector, export_dflash2
 
     base = make_drafter(tiny_model, path / "base", block_size=16)
-    sel = Selector(64, 256, 4)
+    c = json.loads((tiny_model / "config.json").read_text())
+    sel = Selector(c["hidden_size"], c["vocab_size"], 4)
     sel.reset(0)
     with torch.no_grad():
         sel.successor_codebook.normal_(0, scale)

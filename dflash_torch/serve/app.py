@@ -75,7 +75,7 @@ def create_app(config: ServerConfig | None = None, loader: Callable[[], Pipeline
         pipe = load(config.model, config.draft, config.device, config.dtype, quantize=config.quantize,
                     cuda_graphs=config.cuda_graphs, draft_vocab=config.draft_vocab, draft_window=config.draft_window,
                     draft_sinks=config.draft_sinks)
-        freeze_heap()  # a server loads once: full garbage collections then skip what loading left (~70 ms each)
+        freeze_heap()  # a server loads once: full garbage collections then skip what loading left (~110 ms each)
         return pipe
 
     loader = loader or load_and_freeze

@@ -325,7 +325,7 @@ class Engine:
             self.adaptive = AdaptiveBlockSize(calibrate(pipe.target, pipe.drafter), pipe.drafter.block_size)
         self.reasoning = c.reasoning_parser == "think" or (
             c.reasoning_parser == "auto" and has_think_tags(pipe.tokenizer))
-        try:  # the chat template compiled now, not in the first request's time (~20 ms of its TTFT)
+        try:  # the chat template compiled now, not in the first request's time (~20 ms: first_request_probe.py)
             pipe.encode_messages([{"role": "user", "content": "Hi"}])
         except Exception:  # no tokenizer, or a template that wants other messages: the first request will say
             pass
