@@ -131,11 +131,15 @@ def make_batch(
         r = records[i]
         toks = r["prompt_ids"] + r["response_ids"]
         p, t = len(r["prompt_ids"]), len(toks)
-        n_anchor = t - 1 - p  # anchors p .. t-2: each has at least one token to predict
+        # anchors p .. t-2: each has at least one token to predict; a teacher-forced record (target_ids: the
+        # target's own choice at each reply position) anchors only where the text's token is that choice
+        pool = torch.arange(p, t - 1) if "target_ids" not in r else torch.tensor(
+            [a for a in range(p, t - 1) if toks[a] == r["target_ids"][a - p]], dtype=torch.long)
+        n_anchor = len(pool)
         if n_anchor <= 0:
             continue
         k = min(anchors, n_anchor)
-        chosen = (p + torch.randperm(n_anchor, generator=gen)[:k]).sort().values.tolist()
+        chosen = pool[torch.randperm(n_anchor, generator=gen)[:k]].sort().values.tolist()
         last = chosen[-1]  # context needed: tokens [0, last)
         ctx_rows.append(torch.arange(r["start"], r["start"] + last))
         ctx_pos.append(torch.arange(last))
@@ -149,7 +153,7 @@ def make_batch(
             q_seq.append(s)
             q_anchor.append(a)
             ctx_start.append(offset)
-            labels.append(tt[a + 1 : a + B])
+            labels.append(tt[a + 1 : a + B] if "target_ids" not in r else _target_labels(r, a, B))
         offset += last
     rows = torch.cat(ctx_rows)
     ctx = feats[rows][:, cols].unsqueeze(0)  # [1, Tc, F]
@@ -166,6 +170,22 @@ def make_batch(
         # the same visibility block by block (drafter.Blocks): context rows [start, start + anchor)
         "ctx_start": torch.tensor(ctx_start), "ctx_len": torch.tensor(q_anchor),
     }
+
+
+def _target_labels(r: dict, a: int, B: int) -> torch.Tensor:
+    """Labels [B - 1] of a block anchored at `a` in a teacher-forced record: block position k's label is the
+    target's choice for token a + k, kept while the text between the anchor and it is the target's own choices
+    (after the first disagreement the target's greedy continuation is unknown: -100, as past a reply's end)."""
+    p, tid, resp = len(r["prompt_ids"]), r["target_ids"], r["response_ids"]
+    out = [-100] * (B - 1)
+    for k in range(1, B):
+        i = a + k - p  # reply index of the token block position k predicts
+        if i >= len(resp):
+            break
+        out[k - 1] = tid[i]
+        if resp[i] != tid[i]:  # the next label would follow a token the target would not have written
+            break
+    return torch.tensor(out)
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:

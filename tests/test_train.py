@@ -195,6 +195,43 @@ def test_training_blocks_equal_inference_drafts(tiny_data):
         torch.testing.assert_close(logits[j][labels_ok], ref[0][labels_ok], rtol=1e-4, atol=1e-4)
 
 
+def test_teacher_forced_records_label_only_the_targets_own_choices(tiny_data):
+    """A teacher-forced record (`target_ids`, tools/teacher_forced_data.py) whose text is the target's own
+    choice everywhere gives the batch a generated record gives; where the text leaves the target's choices,
+    blocks anchor only on the target's tokens and a block's labels are the target's choices up to and
+    including the first position whose text token differs, -100 after it."""
+    _, out = tiny_data
+    records, feats, _ = data.load_shards(out)
+    cols = torch.arange(feats.shape[1])
+    args = dict(seqs=3, anchors=5, block_size=8, mask_token_id=255)
+    same = [dict(r, target_ids=list(r["response_ids"])) for r in records]
+    a = train.make_batch(records, feats, cols, torch.Generator().manual_seed(3), **args)
+    b = train.make_batch(same, feats, cols, torch.Generator().manual_seed(3), **args)
+    for k in ("block", "q_pos", "labels", "ctx_start", "ctx_len"):
+        assert torch.equal(a[k], b[k]), k
+    g = torch.Generator().manual_seed(5)
+    mixed = []
+    for r in records:  # the target's choice differs from the text at random reply positions
+        tid = [t if torch.rand((), generator=g) < 0.6 else (t + 1) % 250 for t in r["response_ids"]]
+        mixed.append(dict(r, target_ids=tid))
+    blocks = 0
+    for m in mixed:
+        p, tid, resp = len(m["prompt_ids"]), m["target_ids"], m["response_ids"]
+        bt = train.make_batch([m], feats, cols, torch.Generator().manual_seed(1), **dict(args, seqs=1))
+        for anchor, labels in zip(bt["q_pos"].view(-1, 8)[:, 0].tolist(), bt["labels"].tolist()):
+            assert p <= anchor and tid[anchor - p] == resp[anchor - p]  # the target's own token, as a bonus is
+            want = []
+            for k in range(1, 8):
+                if anchor + k - p >= len(resp):
+                    break
+                want.append(tid[anchor + k - p])
+                if resp[anchor + k - p] != tid[anchor + k - p]:
+                    break
+            assert labels == want + [-100] * (7 - len(want))
+            blocks += 1
+    assert blocks >= 10
+
+
 def test_selector_training_exports_a_dflash2_drafter(tiny_data, tmp_path):
     """`dflash train --selector`: the selector's loss falls on its training blocks, the export loads as a
     DFlash2 drafter whose identity convolutions leave the drafter's hidden states as they were, its
