@@ -25,7 +25,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     drafts = args.draft.split(",")
-    print("data".ljust(24) + "".join(d.ljust(28) for d in drafts))
+    print("data".ljust(36) + "".join(d.ljust(28) for d in drafts))
     for d in args.data.split(","):
         records, feats, meta = train.load_data([d])
         target = loading.load_target(loading.resolve_model(meta["model"]), device, torch.float32)
@@ -35,7 +35,7 @@ def main() -> None:
         for path in drafts:
             drafter = load_drafter(path, dtype=torch.float32)
             row.append(train.tf_acceptance(drafter, target, val, feats, cols, device, n_blocks=args.blocks))
-        print(f"{d} ({len(val)} held out)".ljust(24) + "".join(f"{v:.4f}".ljust(28) for v in row), flush=True)
+        print(f"{d} ({len(val)} held out)".ljust(36) + "".join(f"{v:.4f}".ljust(28) for v in row), flush=True)
 
 
 if __name__ == "__main__":
