@@ -305,6 +305,9 @@ def load_data(dirs: list[str]) -> tuple[list[dict], torch.Tensor, dict]:
         meta = m
         for x in r:
             x["start"] += n
+            if "target_ids" in x and len(x["target_ids"]) != len(x["response_ids"]):
+                raise ValueError(f"{d}: record {x['key']} has {len(x['target_ids'])} target_ids for "
+                                 f"{len(x['response_ids'])} reply tokens (one target choice per reply token)")
             if x["key"] not in seen:
                 seen.add(x["key"])
                 records.append(x)

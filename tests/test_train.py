@@ -232,6 +232,21 @@ def test_teacher_forced_records_label_only_the_targets_own_choices(tiny_data):
     assert blocks >= 10
 
 
+def test_target_ids_of_the_wrong_length_are_a_clear_error(tiny_data, tmp_path):
+    """A teacher-forced shard whose target_ids do not cover its reply is refused when loaded, by name."""
+    import shutil
+
+    _, out = tiny_data
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    shard = sorted(bad.glob("shard-*.jsonl"))[0]
+    recs = data.read_records(shard)
+    recs[0]["target_ids"] = recs[0]["response_ids"][:-1]
+    shard.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(ValueError, match="target_ids"):
+        train.load_data([str(bad)])
+
+
 def test_selector_training_exports_a_dflash2_drafter(tiny_data, tmp_path):
     """`dflash train --selector`: the selector's loss falls on its training blocks, the export loads as a
     DFlash2 drafter whose identity convolutions leave the drafter's hidden states as they were, its

@@ -27,12 +27,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from sharegpt_turns import REPLAY_RESERVE  # (tools/, beside this script) the conversations the replay bench reads
 
 from dflash_torch import data
 from dflash_torch.bench_longctx import conversations, sharegpt_multiturn
 from dflash_torch.generate import load
-
-REPLAY_RESERVE = 16  # as tools/sharegpt_turns.py: the multi-turn conversations the replay bench reads
 
 
 def records_of(tok, turns: list[tuple[str, str]], n_turns: int, max_prompt: int, max_reply: int, end: int):
