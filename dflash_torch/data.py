@@ -234,11 +234,15 @@ def shard_index(out: str | Path, with_features: bool = True) -> tuple[list[dict]
     return records, files, meta
 
 
-def read_features(files: list[tuple[Path, int]]) -> torch.Tensor | None:
-    """The features of `files` concatenated, read one shard at a time into one preallocated tensor
-    (a torch.cat of the loaded shards would hold every feature twice: gigabytes for a real run)."""
+def read_features(files: list[tuple[Path, int]], mapped: bool = False) -> torch.Tensor | MappedFeatures | None:
+    """The features of `files` concatenated: read one shard at a time into one preallocated tensor (a
+    torch.cat of the loaded shards would hold every feature twice: gigabytes for a real run), or with
+    `mapped`, the shards memory-mapped in place (`MappedFeatures`: the same rows, read from disk as they
+    are indexed, so a run's data is not bounded by RAM)."""
     if not files:
         return None
+    if mapped:
+        return MappedFeatures(files)
     from safetensors import safe_open
 
     with safe_open(str(files[0][0]), "pt") as f:
@@ -249,6 +253,49 @@ def read_features(files: list[tuple[Path, int]]) -> torch.Tensor | None:
         feats[row : row + n] = load_file(str(fpath))["features"]
         row += n
     return feats
+
+
+class MappedFeatures:
+    """Feature shards memory-mapped in place, indexed like the concatenated [N, F] bfloat16 tensor by a
+    LongTensor of rows (what training gathers): the page cache holds what is read, not the process."""
+
+    def __init__(self, files: list[tuple[Path, int]]):
+        import numpy as np
+
+        self.parts = []
+        for fpath, n in files:
+            with Path(fpath).open("rb") as f:  # safetensors: u64 header length, JSON header, data
+                header_len = int.from_bytes(f.read(8), "little")
+                info = json.loads(f.read(header_len))["features"]
+            if info["dtype"] != "BF16" or info["shape"][0] != n:
+                raise ValueError(f"{fpath}: features {info['dtype']} {info['shape']}, expected BF16 with {n} rows")
+            begin = 8 + header_len + info["data_offsets"][0]
+            # numpy has no bfloat16: map the raw 16-bit words, then view them as bfloat16 (no copy);
+            # copy-on-write so torch gets a writable array and the file is never touched
+            arr = np.memmap(fpath, dtype=np.uint16, mode="c", offset=begin, shape=tuple(info["shape"]))
+            self.parts.append(torch.from_numpy(arr).view(torch.bfloat16))
+        widths = {t.shape[1] for t in self.parts}
+        if len(widths) != 1:
+            raise ValueError(f"feature shards of different widths {sorted(widths)}")
+        self.ends = torch.tensor([t.shape[0] for t in self.parts]).cumsum(0)  # [S]
+        self.shape = torch.Size([int(self.ends[-1]), widths.pop()])
+        self.dtype = torch.bfloat16
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows [n] (int64) -> [n, F], in that order."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.shape[0]):
+            raise IndexError(f"feature rows out of range [0, {self.shape[0]})")
+        shard = torch.searchsorted(self.ends, rows, right=True)  # [n]
+        out = torch.empty(len(rows), self.shape[1], dtype=self.dtype)
+        for s in shard.unique().tolist():
+            sel = (shard == s).nonzero().squeeze(1)
+            start = int(self.ends[s - 1]) if s else 0
+            out[sel] = self.parts[s][rows[sel] - start]
+        return out
 
 
 def load_shards(out: str | Path, with_features: bool = True) -> tuple[list[dict], torch.Tensor | None, dict]:

@@ -292,9 +292,10 @@ def heldout_eval(target, tokenizer, stop_ids, drafter, *, per_kind: int = 8, max
 # --- training -------------------------------------------------------------------------------------
 
 
-def load_data(dirs: list[str]) -> tuple[list[dict], torch.Tensor, dict]:
+def load_data(dirs: list[str], mapped: bool = True) -> tuple[list[dict], torch.Tensor, dict]:
     """Records and features of several data directories (same target and taps), as one set; a prompt
-    present in more than one directory is kept once."""
+    present in more than one directory is kept once. The features stay memory-mapped on disk
+    (`data.MappedFeatures`) unless `mapped` is False, so a run may use more data than fits in RAM."""
     records, files, meta, n, seen = [], [], None, 0, set()
     for d in dirs:
         r, f, m = dataset.shard_index(d)
@@ -315,7 +316,7 @@ def load_data(dirs: list[str]) -> tuple[list[dict], torch.Tensor, dict]:
         n += sum(rows for _, rows in f)
     if not files:
         raise ValueError(f"no shard with features yet in {', '.join(dirs)}")
-    return records, dataset.read_features(files), meta
+    return records, dataset.read_features(files, mapped), meta
 
 
 def lr_at(step: int, total: int, warmup: int, min_ratio: float) -> float:

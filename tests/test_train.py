@@ -317,3 +317,18 @@ def test_selector_training_exports_a_dflash2_drafter(tiny_data, tmp_path):
     for p in ([5, 17, 42, 99], [7, 8, 9, 10, 11, 12, 13]):
         assert list(generate_tokens(target, p, max_new_tokens=20, drafter=d2)) == list(
             generate_tokens(target, p, max_new_tokens=20))
+
+
+def test_mapped_features_equal_loaded(tiny_data):
+    """The memory-mapped shards give exactly the rows of the features read into RAM, in any order, across
+    shard boundaries; rows past the end are an error."""
+    _, out = tiny_data
+    _, files, _ = data.shard_index(out)
+    assert len(files) > 1  # the test must cross a shard boundary
+    ram, mapped = data.read_features(files), data.read_features(files, mapped=True)
+    assert mapped.shape == ram.shape and mapped.dtype == ram.dtype and len(mapped) == len(ram)
+    rows = torch.randperm(len(ram), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(mapped[rows], ram[rows])
+    assert torch.equal(mapped[torch.arange(len(ram))], ram)
+    with pytest.raises(IndexError):
+        mapped[torch.tensor([len(ram)])]
