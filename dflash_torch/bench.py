@@ -15,8 +15,8 @@ Artifacts (--out DIR): results.json, summary.md, throughput.png, acceptance.png.
   fallback, adaptive, ...}, and
   runs: one per suite x length with suite, max_tokens, prompts, baseline_tok_s, dflash_tok_s, speedup,
   acceptance_length_mean, acceptance_rate, acceptance_per_position, ttft_s, peak_memory_mb, hf_tok_s,
-  hf_prompt_lookup_tok_s, llamacpp_tok_s, outputs_match, lookup_passes, lookup_accepted_share, tree_passes,
-  tree_side_kept,
+  hf_prompt_lookup_tok_s, llamacpp_tok_s, outputs_match, lookup_passes, lookup_accepted_share, datastore_passes,
+  datastore_accepted_share, tree_passes, tree_side_kept,
   verify_widths {width: passes; 1 = a plain step}, per_prompt, ...
   (null where not measured).
 """
@@ -272,6 +272,7 @@ class Row:
                 accepted[k] += a
         has_draft = "dflash" in self.timings
         lookup_kept = sum(s.lookup_accepted for s in self.stats)
+        store_kept = sum(s.datastore_accepted for s in self.stats)
         kept_all = sum(s.accepted_tokens for s in self.stats)
         d = {
             "suite": self.suite,
@@ -293,8 +294,11 @@ class Row:
             # passes over a tree of drafts, and of those the ones that kept a path off the first choices
             "tree_passes": sum(s.tree_cycles for s in self.stats),
             "tree_side_kept": sum(s.tree_side_kept for s in self.stats),
-            # share of the accepted drafted tokens that came from prompt lookup (the rest: the drafter)
+            # shares of the accepted drafted tokens that came from prompt lookup and from the drafter's datastore
+            # (the rest: the drafter itself)
             "lookup_accepted_share": _r(lookup_kept / kept_all, 4) if kept_all else None,
+            "datastore_passes": sum(s.datastore_cycles for s in self.stats),
+            "datastore_accepted_share": _r(store_kept / kept_all, 4) if kept_all else None,
             "block_size": self.block_size,
             "ttft_s": _r(self.ttft("dflash" if has_draft else "baseline"), 5),
             "baseline_ttft_s": _r(self.ttft("baseline"), 5),

@@ -17,6 +17,8 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
               "Accept rate", "TTFT ms", "Peak MB"]
     lookup = any(r.get("lookup_passes") for r in results["runs"])
     header += ["From lookup"] if lookup else []
+    store = any(r.get("datastore_passes") for r in results["runs"])
+    header += ["From datastore"] if store else []  # the drafter's stock phrases (decoding/datastore.py)
     prefill = any(r.get("prefill_tok_s") is not None for r in results["runs"])
     header += ["Prefill tok/s"] if prefill else []
     quarters = any(r.get("acceptance_length_first_quarter") is not None for r in results["runs"])
@@ -37,6 +39,8 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
             fmt(None if r["ttft_s"] is None else 1000 * r["ttft_s"], ".0f"), fmt(r["peak_memory_mb"], ".0f"),
         ] + ([fmt(None if r.get("lookup_accepted_share") is None else 100 * r["lookup_accepted_share"], ".0f")
               + ("%" if r.get("lookup_accepted_share") is not None else "")] if lookup else [])
+          + ([fmt(None if r.get("datastore_accepted_share") is None else 100 * r["datastore_accepted_share"], ".0f")
+              + ("%" if r.get("datastore_accepted_share") is not None else "")] if store else [])
           + ([fmt(r.get("prefill_tok_s"), ".0f")] if prefill else [])
           + ([f"{fmt(r.get('acceptance_length_first_quarter'), '.2f')}/"
               f"{fmt(r.get('acceptance_length_last_quarter'), '.2f')}"] if quarters else [])

@@ -196,6 +196,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         accept = f", acceptance length {s.acceptance_length_mean:.2f}, rate {s.acceptance_rate:.0%}"
         if s.lookup_cycles:
             accept += f", {s.lookup_accepted} drafted tokens kept from {s.lookup_cycles} lookup drafts"
+        if s.datastore_cycles:
+            accept += f", {s.datastore_accepted} from {s.datastore_cycles} datastore drafts"
         if fallback is not None and fallback.fallbacks:
             accept += f", fell back to target-only {fallback.fallbacks}x (speculation was slower)"
     print(
@@ -214,6 +216,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "acceptance_per_position": d["acceptance_per_position"], "block_size": d["block_size"],
                 "mode": d["mode"], "prompt_tokens": d["prompt_tokens"], "lookup_cycles": d["lookup_cycles"],
                 "lookup_drafted": d["lookup_drafted"], "lookup_accepted": d["lookup_accepted"],
+                "datastore_cycles": d["datastore_cycles"], "datastore_drafted": d["datastore_drafted"],
+                "datastore_accepted": d["datastore_accepted"],
                 "verify_widths": d["verify_widths"], "acceptance_lengths": d["acceptance_lengths"],
                 "tree_cycles": d["tree_cycles"], "tree_side_kept": d["tree_side_kept"]},
         }

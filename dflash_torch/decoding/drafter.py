@@ -17,7 +17,8 @@ drafter attends to by default (`DFlashDrafter.set_window`), for a drafter traine
 Optionally, beside them, `draft_vocab.json` ({"token_ids": [...]}, ours; other loaders ignore it): the
 tokens the drafter may propose. Its logits then come from those rows of the target's LM head only
 (a fraction of the head's cost); other tokens get -inf. Output is still the target's: only what is
-proposed changes.
+proposed changes. And `datastore.npz` (ours): the target's stock phrases, a proposer beside prompt lookup
+(datastore.py).
 
 The second published format, DFlash2 (dynamic convolutions in every layer, a candidate selector), builds
 on these classes in dflash2.py; `load_drafter` loads either.
@@ -37,6 +38,7 @@ from ..models import flat, layers, quantize
 from ..models.cache import KVCache
 from ..models.layers import MLP, Linear, RMSNorm, attend, attention_mask, linear
 from ..models.rope import Rotary, apply_rotary, rope_parameters
+from .datastore import load_beside
 
 VOCAB_FILE = "draft_vocab.json"
 WINDOW_SLACK = 128  # a windowed cache is compacted when it holds this many positions past sinks + window
@@ -672,6 +674,7 @@ def load_drafter(
             drafter.set_draft_vocab(ids)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{vocab_file}: not a draft vocabulary ({e})") from None
+    drafter.datastore = load_beside(path)  # the target's stock phrases, where the drafter ships them (lookup)
     return (drafter if skip else drafter.to(device)).eval()  # (skipped: still on meta, for the caller)
 
 

@@ -110,6 +110,45 @@ class LookupProposer:
         self.finder.extend(new)
 
 
+class DatastoreProposer:
+    """The target's stock phrases (`datastore.Datastore`, shipped beside the drafter): the tokens it wrote after
+    the last 2-3 tokens in other conversations, as many as their own measured acceptance and the verify costs
+    (the dict prompt lookup measures: the same passes) make worth drafting."""
+
+    name = "datastore"
+
+    def __init__(self, store, tokens: list[int], width: int, sampler: Sampler, vocab_size: int,
+                 constraint: Constraint | None, costs: dict[int, float] | None) -> None:
+        self.store, self.tokens = store, list(tokens[-store.max_n :])
+        self.stats = PromptLookup(max_draft=width)  # its acceptance per position and cost model, no index
+        if costs is not None:
+            self.stats.costs = costs
+        self.width, self.sampler, self.vocab_size, self.constraint = width, sampler, vocab_size, constraint
+        self.match: list[int] = []
+        self.found: list[int] = []
+
+    def offer(self, remaining: int) -> Offer | None:
+        s = self.stats
+        self.match = self.store.draft(self.tokens, min(self.width, remaining - 1))
+        self.found = self.match[: s.draft_length(len(self.match))] if self.match else []
+        if self.found and self.constraint is not None:
+            self.found = self.found[: self.constraint.allowed_prefix(self.found)]
+        return Offer(self, s.expected_tokens(len(self.found) + 1) - 1) if self.found else None
+
+    def draft(self, token: int, remaining: int, device) -> Draft:
+        return fixed_draft(self, token, self.found, self.sampler, self.vocab_size, device)
+
+    def observe(self, draft: Draft, accepted: int, new: list[int], hidden, seconds: float) -> None:
+        if draft.source is self:
+            self.stats.observe(draft.width - 1, accepted)
+        elif self.match:  # what the unused draft would have kept, as far as the new tokens tell
+            kept = _common_prefix(self.match, new)
+            self.stats.observe(min(len(self.match), len(new), kept + 1), kept, drafted=False)
+        if draft.source is self and (self.sampler.greedy or self.sampler.seed is None):  # as LookupProposer's
+            self.stats.observe_cost(draft.width, seconds)
+        self.tokens = (self.tokens + new)[-self.store.max_n :]
+
+
 class ForcedProposer:
     """Tokens the grammar leaves no choice about (a JSON key, a closing tag): a draft the target keeps
     (unless it spells the same text with other tokens) at no drafting cost."""

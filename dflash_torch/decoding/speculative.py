@@ -22,7 +22,7 @@ import torch
 from .. import kernels
 from . import trees
 from .prefix_cache import PrefixCache, Session, capacity_for
-from .proposers import DrafterProposer, ForcedProposer, LookupProposer, plain_step, ranked
+from .proposers import DatastoreProposer, DrafterProposer, ForcedProposer, LookupProposer, plain_step, ranked
 from .sampling import History, Sampler, TokenLogprobs
 from .structured import Constraint
 
@@ -47,6 +47,9 @@ class Stats:
     lookup_cycles: int = 0  # verify passes whose draft came from prompt lookup
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    datastore_cycles: int = 0  # verify passes whose draft came from the drafter's datastore (datastore.py)
+    datastore_drafted: int = 0
+    datastore_accepted: int = 0
     forced_cycles: int = 0  # verify passes whose draft was what a grammar leaves no choice about
     forced_drafted: int = 0
     forced_accepted: int = 0
@@ -74,12 +77,15 @@ class Stats:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
     def record_cycle(self, drafted: int, accepted: int, committed: int, source: str | None = None) -> None:
-        """One verify pass: `drafted` tokens proposed by `source` ("dflash", "lookup", "forced"; None for
-        a plain step), the first `accepted` kept, `committed` tokens added (the target's own included)."""
+        """One verify pass: `drafted` tokens proposed by `source` ("dflash", "lookup", "datastore", "forced";
+        None for a plain step), the first `accepted` kept, `committed` tokens added (the target's own included)."""
         self.cycles += 1
         if source == "lookup":
             self.lookup_cycles, self.lookup_drafted = self.lookup_cycles + 1, self.lookup_drafted + drafted
             self.lookup_accepted += accepted
+        elif source == "datastore":
+            self.datastore_cycles, self.datastore_drafted = self.datastore_cycles + 1, self.datastore_drafted + drafted
+            self.datastore_accepted += accepted
         elif source == "forced":
             self.forced_cycles, self.forced_drafted = self.forced_cycles + 1, self.forced_drafted + drafted
             self.forced_accepted += accepted
@@ -119,6 +125,9 @@ class Stats:
             "lookup_cycles": self.lookup_cycles,
             "lookup_drafted": self.lookup_drafted,
             "lookup_accepted": self.lookup_accepted,
+            "datastore_cycles": self.datastore_cycles,
+            "datastore_drafted": self.datastore_drafted,
+            "datastore_accepted": self.datastore_accepted,
             "forced_cycles": self.forced_cycles,
             "forced_drafted": self.forced_drafted,
             "forced_accepted": self.forced_accepted,
@@ -243,6 +252,10 @@ def _generate(target, prompt: list[int], *, max_new_tokens: int, drafter, block_
     proposers = []  # cheapest first: a tie between offers goes to the earlier
     if lookup:
         proposers.append(LookupProposer([*prompt, token], lookup_width, sampler, vocab, constraint, lookup_costs))
+        store = getattr(drafter, "datastore", None)  # the target's stock phrases, shipped beside its drafter
+        if store is not None:  # priced by the verify costs that lookup measures (the same passes)
+            proposers.append(DatastoreProposer(store, [*prompt, token], lookup_width, sampler, vocab, constraint,
+                                               proposers[0].finder.costs))
     if speculative:
         proposers.append(DrafterProposer(drafter, target, block_size, n + max_new_tokens + block_size, hidden,
                                          sampler, rules.history, constraint, controller, stats, session))

@@ -202,6 +202,7 @@ class Job:
             "elapsed_s": round(now - self.created, 4),
             "fallback_events": list(self.controller.events) if self.controller else [],
             "lookup_cycles": s.lookup_cycles, "lookup_accepted": s.lookup_accepted,
+            "datastore_cycles": s.datastore_cycles, "datastore_accepted": s.datastore_accepted,
             "tree_cycles": s.tree_cycles, "tree_side_kept": s.tree_side_kept,
             "verify_widths": d["verify_widths"], "cached_tokens": s.cached_tokens,
         }

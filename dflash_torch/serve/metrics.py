@@ -51,6 +51,10 @@ class Metrics:
                                      registry=r)
         self.lookup_accepted = Counter("dflash_lookup_num_accepted_tokens", "Prompt-lookup draft tokens accepted",
                                        registry=r)
+        self.datastore_drafts = Counter("dflash_datastore_num_drafts",
+                                        "Verify passes whose draft came from the drafter's datastore", registry=r)
+        self.datastore_accepted = Counter("dflash_datastore_num_accepted_tokens", "Datastore draft tokens accepted",
+                                          registry=r)
         self.fallback_events = Counter("dflash_fallback_events", "Target-only fallback controller events",
                                        ["event"], registry=r)
 
@@ -82,7 +86,9 @@ class Metrics:
         for key, counter, value in (("drafts", self.drafts, drafts), ("draft", self.draft_tokens, s.drafted_tokens),
                                     ("accepted", self.accepted, s.accepted_tokens),
                                     ("lookup", self.lookup_drafts, s.lookup_cycles),
-                                    ("lookup_accepted", self.lookup_accepted, s.lookup_accepted)):
+                                    ("lookup_accepted", self.lookup_accepted, s.lookup_accepted),
+                                    ("datastore", self.datastore_drafts, s.datastore_cycles),
+                                    ("datastore_accepted", self.datastore_accepted, s.datastore_accepted)):
             if value > seen.get(key, 0):
                 counter.inc(value - seen.get(key, 0))
                 seen[key] = value

@@ -1,4 +1,4 @@
-"""Would an n-gram store built from other replies draft well? (docs/performance.md, a measured dead end)
+"""Would an n-gram store built from other replies draft well? (docs/performance.md, "The target's stock phrases")
 
 Teacher-forced, on the target's own replies in drafter training data (`python -m dflash_torch.data`
 directories): replies are shuffled, 150 held out, and the others build a store of n-grams (n = 2..5) ->

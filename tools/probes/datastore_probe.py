@@ -1,0 +1,70 @@
+"""The drafter's datastore (decoding/datastore.py) in the loop `dflash serve` runs (drafter, prompt lookup, adaptive
+width, fallback; greedy, no stop token), with and without it, prompt by prompt in alternating order, each arm with its
+own controllers carried from prompt to prompt as a server carries them; the speed of each over the same prompt's
+target-only decoding, and every output compared with target-only output.
+
+    python tools/probes/datastore_probe.py --limit 3 --tokens 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from dflash_torch.bench_prompts import collect_prompts, encode
+from dflash_torch.decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrated
+from dflash_torch.decoding.fallback import FallbackController
+from dflash_torch.decoding.speculative import Stats, generate_tokens
+from dflash_torch.generate import load
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=3, help="first N prompts of each bench suite")
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.set_grad_enabled(False)
+    p = load(draft="auto", quantize="auto", quiet=True)
+    store = p.drafter.datastore
+    if store is None:
+        raise SystemExit("datastore_probe: the drafter ships no datastore.npz")
+    costs = calibrated(p)
+    arms = {a: {"adaptive": AdaptiveBlockSize(dict(costs), p.drafter.block_size), "carry": None, "costs": {}}
+            for a in ("without", "with")}
+    ratios: dict[str, list[float]] = {"without": [], "with": []}
+    equal = True
+    for suite, prompts in collect_prompts("all", None, a.limit).items():
+        for i, prompt in enumerate(prompts):
+            ids = encode(p, prompt)
+            st = Stats()
+            ref = list(generate_tokens(p.target, ids, max_new_tokens=a.tokens, stop_token_ids=[], stats=st))
+            base = st.decode_tok_s
+            for arm in (("without", "with") if i % 2 == 0 else ("with", "without")):
+                s = arms[arm]
+                p.drafter.datastore = store if arm == "with" else None
+                fallback = FallbackController(carried=s["carry"])
+                st = Stats()
+                out = list(generate_tokens(p.target, ids, max_new_tokens=a.tokens, drafter=p.drafter, stop_token_ids=[],
+                                           stats=st, controller=WithFallback(fallback, s["adaptive"]), lookup=True,
+                                           lookup_costs=s["costs"]))
+                s["carry"] = fallback.carry()
+                equal &= out == ref
+                ratios[arm].append(st.decode_tok_s / base)
+                print(f"{arm:7s} {suite:9s} target-only {base:6.1f} -> {st.decode_tok_s:6.1f} tok/s "
+                      f"({st.decode_tok_s / base:.3f}x), {st.acceptance_length_mean:.3f} tokens per pass; "
+                      f"lookup kept {st.lookup_accepted} of {st.lookup_drafted}, datastore {st.datastore_accepted} of "
+                      f"{st.datastore_drafted} in {st.datastore_cycles} passes", flush=True)
+    p.drafter.datastore = store
+    for arm, r in ratios.items():
+        print(f"{arm:7s} over target-only: median {statistics.median(r):.3f}x, mean {statistics.mean(r):.3f}x "
+              f"({len(r)} prompts)")
+    better = sum(w > wo for w, wo in zip(ratios["with"], ratios["without"]))
+    print(f"faster with it on {better} of {len(ratios['with'])} prompts; all outputs equal to target-only: {equal}")
+
+
+if __name__ == "__main__":
+    main()
