@@ -8,9 +8,10 @@ the same one in at least `min_share` of at least `min_count` occurrences; contex
 kept. Chained from the committed tokens (the longest kept context first, then its shorter tail), it drafts a
 phrase without a forward pass.
 
-It ships beside the drafter (`datastore.npz`, built by `tools/build_datastore.py` from the data the drafter
-was trained on; held-out prompts are not among them). The speculative loop verifies its drafts like any
-other, so output is the target's either way (`proposers.DatastoreProposer` decides when it drafts).
+It ships beside the drafter (`datastore.npz`, built by `tools/build_datastore.py` from drafter training data:
+the target's replies and teacher-forced text; held-out prompts are not among them). The speculative loop
+verifies its drafts like any other, so output is the target's either way (`proposers.DatastoreProposer`
+decides when it drafts).
 """
 
 from __future__ import annotations
