@@ -43,6 +43,17 @@ def clear_margins(target, prompt: list[int], completion: list[int], margin: floa
     return bool(_clear(target, prompt, completion, margin).all())
 
 
+def clear_case(target, draw, tries: int = 30) -> tuple[list[int], int, list[int]]:
+    """(prompt, n, target-only greedy output) of the first case `draw()` -> (prompt, n) whose output has no
+    near-tie (`clear_margins`); a test fails after `tries` near-ties in a row."""
+    for _ in range(tries):
+        prompt, n = draw()
+        ref = list(generate_tokens(target, prompt, max_new_tokens=n))
+        if clear_margins(target, prompt, ref):
+            return prompt, n, ref
+    pytest.fail(f"{tries} cases in a row with a near-tie")
+
+
 def clear_prefix(target, prompt: list[int], completion: list[int], margin: float = 1e-3) -> int:
     """How many leading tokens of `completion` were clear greedy choices (each won by more than `margin`).
     Any other computation of the same target (other pass widths, reused caches) picks those same tokens,

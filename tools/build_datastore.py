@@ -25,8 +25,13 @@ def records(dirs: list[str]) -> tuple[list[list[int]], list[tuple[list[int], int
         if not files:
             sys.exit(f"build_datastore: no .jsonl records in {d}")
         for f in files:
-            for line in f.open():
-                r = json.loads(line)
+            for i, line in enumerate(f.open(), 1):
+                try:
+                    r = json.loads(line)
+                    if not isinstance(r, dict) or not isinstance(r.get("response_ids"), list):
+                        raise ValueError("no response_ids list")
+                except ValueError as e:
+                    sys.exit(f"build_datastore: {f}:{i} is not a data record ({e})")
                 if "target_ids" in r:
                     forced.append((r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"]), r["target_ids"]))
                 else:
@@ -43,7 +48,10 @@ def main() -> None:
     ap.add_argument("--min-share", type=float, default=0.5, help="share of them its next token must have")
     a = ap.parse_args()
     replies, forced = records(a.data.split(","))
-    store = Datastore.build(replies, forced, max_n=a.max_n, min_count=a.min_count, min_share=a.min_share)
+    try:
+        store = Datastore.build(replies, forced, max_n=a.max_n, min_count=a.min_count, min_share=a.min_share)
+    except ValueError as e:
+        sys.exit(f"build_datastore: {e}")
     store.save(a.out)
     per_n = ", ".join(f"{len(t):,} of {n} tokens" for n, t in sorted(store.next.items()))
     print(f"{len(replies):,} replies ({sum(map(len, replies)):,} tokens) and {len(forced):,} teacher-forced texts "

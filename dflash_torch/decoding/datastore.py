@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .lookup import DraftPricing
+
 FILE = "datastore.npz"
 BITS = 21  # per token in a packed context key: 3 tokens in 63 bits, vocabularies up to 2M tokens
 MAX_N = 3
@@ -56,6 +58,8 @@ class Datastore:
         the lower id)."""
         if not 1 <= min_n <= max_n <= MAX_N:
             raise ValueError(f"need 1 <= min_n <= max_n <= {MAX_N}")
+        if min_count < 1 or not 0 < min_share <= 1:
+            raise ValueError(f"need min_count >= 1 and 0 < min_share <= 1, got {min_count} and {min_share}")
         counts: dict[int, dict[tuple[int, ...], Counter]] = {n: defaultdict(Counter) for n in range(min_n, max_n + 1)}
 
         def count(tokens: list[int], start: int, nexts: list[int]) -> None:
@@ -134,3 +138,23 @@ def load_beside(directory: str | Path) -> Datastore | None:
     """The datastore shipped in a drafter's directory, or None where there is none."""
     f = Path(directory) / FILE
     return Datastore.load(f) if f.is_file() else None
+
+
+class StoreLookup(DraftPricing):
+    """A datastore as a source of free drafts for `proposers.LookupProposer`: the chain from the committed
+    tokens' tail, priced like a prompt-lookup draft (`lookup.DraftPricing`)."""
+
+    def __init__(self, store: Datastore, tokens: Iterable[int] = (), *, max_draft: int = 15,
+                 decay: float = 0.8) -> None:
+        super().__init__(max_draft, decay)
+        self.store = store
+        self.tail = list(tokens)[-store.max_n :]
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append committed tokens (only the last few are kept: the longest context)."""
+        self.tail = (self.tail + list(tokens))[-self.store.max_n :]
+
+    def match(self, limit: int) -> list[int]:
+        """Up to `limit` (at most max_draft) drafted tokens; [] where the store keeps no context for the tail."""
+        return self.store.draft(self.tail, min(limit, self.max_draft))
+

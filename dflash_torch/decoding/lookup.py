@@ -19,53 +19,21 @@ from collections.abc import Iterable
 UNSEEN_RATIO = 0.85  # prior: P(keep position k + 1 | kept k) for positions not yet checked
 
 
-class PromptLookup:
-    """An n-gram index over the committed tokens, proposing continuations of the longest match.
+class DraftPricing:
+    """How far to draft a free draft (one that costs no forward pass): the running acceptance per draft
+    position and the measured seconds of a verify pass per width. A source of such drafts adds
+    `match(limit)` and `extend(tokens)` (PromptLookup below, datastore.StoreLookup).
 
-    min_n / max_n: n-gram lengths tried, longest first. max_draft: most tokens per draft.
-    decay: weight kept by old acceptance counts and costs per observation.
+    max_draft: most tokens per draft. decay: weight kept by old acceptance counts and costs per observation.
     """
 
-    def __init__(self, tokens: Iterable[int] = (), *, min_n: int = 2, max_n: int = 8, max_draft: int = 15,
-                 decay: float = 0.8) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError("need 1 <= min_n <= max_n")
+    def __init__(self, max_draft: int = 15, decay: float = 0.8) -> None:
         if max_draft < 1:
             raise ValueError("max_draft must be >= 1")
-        self.min_n, self.max_n, self.max_draft, self.decay = min_n, max_n, max_draft, decay
-        self.tokens: list[int] = []
-        # index[n][ngram] = where the continuation of that n-gram's latest occurrence starts
-        self.index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self.max_draft, self.decay = max_draft, decay
         self.accepted = [0.0] * max_draft  # [k]: decayed count of drafts whose first k + 1 tokens were kept
         self.checked = [0.0] * max_draft
         self.costs: dict[int, float] = {}  # verify width -> seconds per cycle (moving average)
-        self.extend(tokens)
-
-    def extend(self, tokens: Iterable[int]) -> None:
-        """Append committed tokens to the index."""
-        for tok in tokens:
-            self.tokens.append(tok)
-            j = len(self.tokens) - 1  # the n-gram ending just before j is now followed by tok
-            for n in range(self.min_n, min(self.max_n, j) + 1):
-                self.index[n][tuple(self.tokens[j - n : j])] = j
-
-    def match(self, limit: int) -> list[int]:
-        """Up to `limit` tokens continuing the longest matched n-gram; [] when the context's tail
-        occurred nowhere before."""
-        toks = self.tokens
-        k = min(limit, self.max_draft)
-        for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
-            start = self.index[n].get(tuple(toks[-n:]))
-            if start is None or k < 1:
-                continue
-            draft: list[int] = []
-            for i in range(k):
-                j = start + i
-                # past the end of the context the copy continues from itself: a loop of period
-                # len(toks) - start is proposed in full
-                draft.append(toks[j] if j < len(toks) else draft[j - len(toks)])
-            return draft
-        return []
 
     def expected_tokens(self, width: int) -> float:
         """Expected committed tokens of a verify pass of `width` positions with a lookup draft."""
@@ -124,6 +92,50 @@ class PromptLookup:
         """Seconds of one verify pass of `width` positions (plain steps are width 1)."""
         old = self.costs.get(width)
         self.costs[width] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+
+class PromptLookup(DraftPricing):
+    """An n-gram index over the committed tokens, proposing continuations of the longest match.
+
+    min_n / max_n: n-gram lengths tried, longest first; max_draft, decay: `DraftPricing`'s.
+    """
+
+    def __init__(self, tokens: Iterable[int] = (), *, min_n: int = 2, max_n: int = 8, max_draft: int = 15,
+                 decay: float = 0.8) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError("need 1 <= min_n <= max_n")
+        super().__init__(max_draft, decay)
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        # index[n][ngram] = where the continuation of that n-gram's latest occurrence starts
+        self.index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self.extend(tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append committed tokens to the index."""
+        for tok in tokens:
+            self.tokens.append(tok)
+            j = len(self.tokens) - 1  # the n-gram ending just before j is now followed by tok
+            for n in range(self.min_n, min(self.max_n, j) + 1):
+                self.index[n][tuple(self.tokens[j - n : j])] = j
+
+    def match(self, limit: int) -> list[int]:
+        """Up to `limit` tokens continuing the longest matched n-gram; [] when the context's tail
+        occurred nowhere before."""
+        toks = self.tokens
+        k = min(limit, self.max_draft)
+        for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
+            start = self.index[n].get(tuple(toks[-n:]))
+            if start is None or k < 1:
+                continue
+            draft: list[int] = []
+            for i in range(k):
+                j = start + i
+                # past the end of the context the copy continues from itself: a loop of period
+                # len(toks) - start is proposed in full
+                draft.append(toks[j] if j < len(toks) else draft[j - len(toks)])
+            return draft
+        return []
 
 
 def between(table: dict[int, float], x: int) -> float | None:

@@ -14,6 +14,7 @@ import torch
 
 from .. import kernels
 from . import trees
+from .datastore import StoreLookup
 from .lookup import PromptLookup
 from .sampling import History, Sampler
 from .structured import Constraint
@@ -70,10 +71,12 @@ class LookupProposer:
     occurrence, as many as its measured acceptance and verify costs make worth drafting."""
 
     name = "lookup"
+    times_plain_steps = True  # plain steps price width 1 in the cost table
 
     def __init__(self, tokens: list[int], width: int, sampler: Sampler, vocab_size: int,
-                 constraint: Constraint | None, costs: dict[int, float] | None) -> None:
-        self.finder = PromptLookup(tokens, max_draft=width)
+                 constraint: Constraint | None, costs: dict[int, float] | None, finder=None) -> None:
+        # finder: where drafts come from and how they are priced (`lookup.DraftPricing`; default: prompt lookup)
+        self.finder = finder if finder is not None else PromptLookup(tokens, max_draft=width)
         if costs is not None:
             self.finder.costs = costs  # the same dict: what this generation measures, the next one knows
         self.sampler, self.vocab_size, self.constraint = sampler, vocab_size, constraint
@@ -105,48 +108,24 @@ class LookupProposer:
             self.finder.observe(min(len(match), len(new), kept + 1), kept, drafted=False)
         # Verify-only cycles time the lookup's widths. Not for a seeded sampled run: its random draws
         # depend on the block widths, so they must not depend on timing (unmeasured widths cost alike).
-        if (draft.source is self or bs == 1) and (self.sampler.greedy or self.sampler.seed is None):
+        if ((draft.source is self or (bs == 1 and self.times_plain_steps))
+                and (self.sampler.greedy or self.sampler.seed is None)):
             self.finder.observe_cost(bs, seconds)
         self.finder.extend(new)
 
 
-class DatastoreProposer:
+class DatastoreProposer(LookupProposer):
     """The target's stock phrases (`datastore.Datastore`, shipped beside the drafter): the tokens it wrote after
-    the last 2-3 tokens in other conversations, as many as their own measured acceptance and the verify costs
-    (the dict prompt lookup measures: the same passes) make worth drafting."""
+    the last 2-3 tokens in other conversations, drafted and priced as prompt lookup's are. Its verify costs are
+    the table prompt lookup measures (the same passes), so plain steps are timed there once, not here again."""
 
     name = "datastore"
+    times_plain_steps = False
 
     def __init__(self, store, tokens: list[int], width: int, sampler: Sampler, vocab_size: int,
                  constraint: Constraint | None, costs: dict[int, float] | None) -> None:
-        self.store, self.tokens = store, list(tokens[-store.max_n :])
-        self.stats = PromptLookup(max_draft=width)  # its acceptance per position and cost model, no index
-        if costs is not None:
-            self.stats.costs = costs
-        self.width, self.sampler, self.vocab_size, self.constraint = width, sampler, vocab_size, constraint
-        self.match: list[int] = []
-        self.found: list[int] = []
-
-    def offer(self, remaining: int) -> Offer | None:
-        s = self.stats
-        self.match = self.store.draft(self.tokens, min(self.width, remaining - 1))
-        self.found = self.match[: s.draft_length(len(self.match))] if self.match else []
-        if self.found and self.constraint is not None:
-            self.found = self.found[: self.constraint.allowed_prefix(self.found)]
-        return Offer(self, s.expected_tokens(len(self.found) + 1) - 1) if self.found else None
-
-    def draft(self, token: int, remaining: int, device) -> Draft:
-        return fixed_draft(self, token, self.found, self.sampler, self.vocab_size, device)
-
-    def observe(self, draft: Draft, accepted: int, new: list[int], hidden, seconds: float) -> None:
-        if draft.source is self:
-            self.stats.observe(draft.width - 1, accepted)
-        elif self.match:  # what the unused draft would have kept, as far as the new tokens tell
-            kept = _common_prefix(self.match, new)
-            self.stats.observe(min(len(self.match), len(new), kept + 1), kept, drafted=False)
-        if draft.source is self and (self.sampler.greedy or self.sampler.seed is None):  # as LookupProposer's
-            self.stats.observe_cost(draft.width, seconds)
-        self.tokens = (self.tokens + new)[-self.store.max_n :]
+        super().__init__(tokens, width, sampler, vocab_size, constraint, costs,
+                         finder=StoreLookup(store, tokens, max_draft=width))
 
 
 class ForcedProposer:
