@@ -8,8 +8,8 @@ that depends on the token chosen before it (`decoding/dflash2.py`):
 
 with P, S two [V, r] codebooks and W an [r, H] projection of the drafter's hidden state h_j. The
 drafter itself stays frozen here, so the cost is one pass of the drafter over the training blocks:
-their hidden states, top-k candidates and logits are computed once, and the selector (1.6M
-parameters for SmolLM2's vocabulary at rank 16) trains on them for many epochs in seconds.
+their hidden states, top-k candidates and logits are computed once, and the selector (its codebooks
+projections of the target's token embedding: `Selector`) trains on them for many epochs in seconds.
 
 Objective: cross-entropy over the k candidates of each block position along the teacher-forced path
 (the predecessor is the reply's own previous token, the anchor at position 1; a greedy draft is kept
@@ -44,26 +44,40 @@ CONV_KERNEL, CONV_GROUP = 2, 64  # the identity convolutions of the export: any 
 
 
 class Selector(nn.Module):
-    """The candidate selector's parameters under the published names (`candidate_selector.*`)."""
+    """The candidate selector, its codebooks factored through the target's token embedding.
 
-    def __init__(self, hidden: int, vocab: int, rank: int) -> None:
+    The published format stores two free [V, r] codebooks. Trained free, they learn only the token pairs
+    the training blocks contain (1.6M parameters for SmolLM2's vocabulary at rank 16) and overfit within an
+    epoch. Here each codebook row is a learned projection of the token's embedding in the target,
+    P[t] = A_p e(t) and S[t] = A_s e(t) ([r, H] each), so tokens that the target embeds alike score alike
+    and pairs never seen in training still get a score. `codebooks()` writes them out in the published
+    form (`export_dflash2`)."""
+
+    def __init__(self, hidden: int, embed: torch.Tensor, rank: int) -> None:
         super().__init__()
+        self.register_buffer("embed", embed.detach().float(), persistent=False)  # [V, H_target]
         self.hidden_projection = nn.Linear(hidden, rank, bias=False)
-        self.predecessor_codebook = nn.Parameter(torch.empty(vocab, rank))
-        self.successor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        self.predecessor_projection = nn.Linear(embed.shape[1], rank, bias=False)
+        self.successor_projection = nn.Linear(embed.shape[1], rank, bias=False)
 
     def reset(self, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            h = self.hidden_projection.weight
-            h.copy_(torch.randn(h.shape, generator=g) / h.shape[1] ** 0.5)
-            self.predecessor_codebook.copy_(torch.randn(self.predecessor_codebook.shape, generator=g) * 0.5)
-            self.successor_codebook.zero_()  # scores start as the drafter's own logits: argmax drafting
+            for lin in (self.hidden_projection, self.predecessor_projection):
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / lin.weight.shape[1] ** 0.5)
+            self.successor_projection.weight.zero_()  # scores start as the drafter's own logits: argmax drafting
 
     def scores(self, hidden: torch.Tensor, pred: torch.Tensor, cand: torch.Tensor, unary: torch.Tensor) -> torch.Tensor:
         """hidden [..., H], pred [...] (token ids), cand / unary [..., k] -> scores [..., k]."""
-        p = self.hidden_projection(hidden) * self.predecessor_codebook[pred]  # [..., r]
-        return unary + torch.einsum("...r,...kr->...k", p, self.successor_codebook[cand])
+        p = self.hidden_projection(hidden) * self.predecessor_projection(self.embed[pred])  # [..., r]
+        return unary + torch.einsum("...r,...kr->...k", p, self.successor_projection(self.embed[cand]))
+
+    @torch.no_grad()
+    def codebooks(self) -> dict[str, torch.Tensor]:
+        """The selector's tensors under the published names (`candidate_selector.*`, codebooks [V, r])."""
+        return {"hidden_projection.weight": self.hidden_projection.weight.detach().clone(),
+                "predecessor_codebook": self.predecessor_projection(self.embed),
+                "successor_codebook": self.successor_projection(self.embed)}
 
 
 @torch.no_grad()
@@ -157,7 +171,7 @@ def train_selector(a: argparse.Namespace) -> dict:
         ex = examples(drafter, target, train_recs, feats, cols, device, blocks=a.selector_blocks, **kw)
         vx = examples(drafter, target, val_recs, feats, cols, device, blocks=max(256, a.selector_blocks // 10), **kw)
         torch.save((ex, vx), cache_file)
-    sel = Selector(h, target.config.vocab_size, a.selector_rank)
+    sel = Selector(drafter.config["hidden_size"], target.embed_tokens.weight, a.selector_rank)
     sel.reset(a.seed)
     opt = torch.optim.AdamW(sel.parameters(), lr=a.lr, weight_decay=a.weight_decay)
     weights = position_weights(K + 1, a.gamma)
@@ -215,13 +229,13 @@ def export_dflash2(drafter_dir: str | Path, sel: Selector, path: str | Path, top
             base[:, 0] = 1.0  # the current token times one, the one before times zero: the identity
             state[f"layers.{i}.{conv}.base_kernel"] = base
             state[f"layers.{i}.{conv}.kernel_projection.weight"] = torch.zeros(2 * CONV_KERNEL * h // CONV_GROUP, h)
-    for k, v in sel.state_dict().items():
-        state[f"candidate_selector.{k}"] = v.detach()
+    for k, v in sel.codebooks().items():
+        state[f"candidate_selector.{k}"] = v
     state = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in state.items()}
     config["architectures"] = ["DFlash2DraftModel"]
     dc = config.setdefault("dflash_config", {})
-    dc.update(conv_kernel_size=CONV_KERNEL, conv_group_size=CONV_GROUP, selector_rank=sel.successor_codebook.shape[1],
-              selector_top_k=top_k)
+    dc.update(conv_kernel_size=CONV_KERNEL, conv_group_size=CONV_GROUP,
+              selector_rank=sel.hidden_projection.weight.shape[0], selector_top_k=top_k)
     config["dtype"] = dtype
     path.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -266,7 +266,7 @@ def test_selector_training_exports_a_dflash2_drafter(tiny_data, tmp_path):
     ex = ts.examples(d1, target, records, feats, torch.arange(feats.shape[1]), torch.device("cpu"), blocks=64,
                      positions=4, top_k=4, seed=0)
     assert ex["hidden"].shape[:2] == ex["cand"].shape[:2] == ex["labels"].shape == (64, 4)
-    sel = ts.Selector(d1.config["hidden_size"], 256, 8)
+    sel = ts.Selector(d1.config["hidden_size"], target.embed_tokens.weight, 8)
     sel.reset(0)
     weights = train.position_weights(5, 7.0)
     rows = torch.arange(64)

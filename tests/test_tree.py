@@ -307,10 +307,11 @@ def _selector_drafter(tiny_model, path, scale: float):
 
     base = make_drafter(tiny_model, path / "base", block_size=16)
     c = json.loads((tiny_model / "config.json").read_text())
-    sel = Selector(c["hidden_size"], c["vocab_size"], 4)
+    embed = torch.randn(c["vocab_size"], c["hidden_size"], generator=torch.Generator().manual_seed(0))
+    sel = Selector(c["hidden_size"], embed / c["hidden_size"] ** 0.5, 4)  # codebook rows of about unit norm
     sel.reset(0)
     with torch.no_grad():
-        sel.successor_codebook.normal_(0, scale)
+        sel.successor_projection.weight.normal_(0, scale)
     return load_drafter(export_dflash2(base, sel, path / "dflash2", top_k=6, dtype="float32"))
 
 

@@ -43,13 +43,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True, help="comma-separated data directories")
     ap.add_argument("--out", required=True, help="the .npz to write (datastore.npz in the drafter's directory)")
-    ap.add_argument("--max-n", type=int, default=3, help="longest context kept, in tokens (2 or 3)")
+    ap.add_argument("--min-n", type=int, default=2, help="shortest context kept, in tokens (1 to --max-n)")
+    ap.add_argument("--max-n", type=int, default=3, help="longest context kept, in tokens (--min-n to 3)")
     ap.add_argument("--min-count", type=int, default=2, help="fewest occurrences of a context to keep it")
     ap.add_argument("--min-share", type=float, default=0.5, help="share of them its next token must have")
     a = ap.parse_args()
     replies, forced = records(a.data.split(","))
     try:
-        store = Datastore.build(replies, forced, max_n=a.max_n, min_count=a.min_count, min_share=a.min_share)
+        store = Datastore.build(replies, forced, min_n=a.min_n, max_n=a.max_n, min_count=a.min_count,
+                                min_share=a.min_share)
     except ValueError as e:
         sys.exit(f"build_datastore: {e}")
     store.save(a.out)

@@ -4,6 +4,7 @@ own controllers carried from prompt to prompt as a server carries them; the spee
 target-only decoding, and every output compared with target-only output.
 
     python tools/probes/datastore_probe.py --limit 3 --tokens 512
+    python tools/probes/datastore_probe.py --limit 3 --tokens 512 --other runs/store.npz   # shipped vs another
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from dflash_torch.bench_prompts import collect_prompts, encode
 from dflash_torch.decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrated
+from dflash_torch.decoding.datastore import Datastore
 from dflash_torch.decoding.fallback import FallbackController
 from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import load
@@ -25,6 +27,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=3, help="first N prompts of each bench suite")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--other", help="a datastore .npz to compare with the shipped one (instead of none)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
@@ -33,9 +36,12 @@ def main() -> None:
     if store is None:
         raise SystemExit("datastore_probe: the drafter ships no datastore.npz")
     costs = calibrated(p)
+    stores = ({"without": None, "with": store} if a.other is None
+              else {"shipped": store, "other": Datastore.load(a.other)})
+    first, second = stores
     arms = {a: {"adaptive": AdaptiveBlockSize(dict(costs), p.drafter.block_size), "carry": None, "costs": {}}
-            for a in ("without", "with")}
-    ratios: dict[str, list[float]] = {"without": [], "with": []}
+            for a in stores}
+    ratios: dict[str, list[float]] = {a: [] for a in stores}
     equal = True
     for suite, prompts in collect_prompts("all", None, a.limit).items():
         for i, prompt in enumerate(prompts):
@@ -43,9 +49,9 @@ def main() -> None:
             st = Stats()
             ref = list(generate_tokens(p.target, ids, max_new_tokens=a.tokens, stop_token_ids=[], stats=st))
             base = st.decode_tok_s
-            for arm in (("without", "with") if i % 2 == 0 else ("with", "without")):
+            for arm in ((first, second) if i % 2 == 0 else (second, first)):
                 s = arms[arm]
-                p.drafter.datastore = store if arm == "with" else None
+                p.drafter.datastore = stores[arm]
                 fallback = FallbackController(carried=s["carry"])
                 st = Stats()
                 out = list(generate_tokens(p.target, ids, max_new_tokens=a.tokens, drafter=p.drafter, stop_token_ids=[],
@@ -62,8 +68,10 @@ def main() -> None:
     for arm, r in ratios.items():
         print(f"{arm:7s} over target-only: median {statistics.median(r):.3f}x, mean {statistics.mean(r):.3f}x "
               f"({len(r)} prompts)")
-    better = sum(w > wo for w, wo in zip(ratios["with"], ratios["without"]))
-    print(f"faster with it on {better} of {len(ratios['with'])} prompts; all outputs equal to target-only: {equal}")
+    better = sum(w > wo for w, wo in zip(ratios[second], ratios[first]))
+    gain = statistics.geometric_mean([w / wo for w, wo in zip(ratios[second], ratios[first])])
+    print(f"{second} faster than {first} on {better} of {len(ratios[second])} prompts ({gain:.3f}x prompt by prompt, "
+          f"geometric mean); all outputs equal to target-only: {equal}")
 
 
 if __name__ == "__main__":
