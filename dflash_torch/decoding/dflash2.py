@@ -222,13 +222,14 @@ class DFlash2Drafter(DFlashDrafter):
         # current position, 0 before it, no dynamic part: a selector trained onto a first-format drafter,
         # `train_selector.py`) the layers are the first format's and it computes the same bits.
         convs = [c for layer in self.layers for c in (layer.attention_conv, layer.mlp_conv)]
-        if any(not isinstance(getattr(c.kernel_projection, "weight", None), torch.Tensor) for c in convs):
-            return None  # a quantized projection: not worth reading back to check
-        # checked again when a weight changes (inference tensors keep no version counter: loaded for inference)
-        version = tuple((p.data_ptr(), 0 if p.is_inference() else p._version)
-                        for c in convs for p in (c.base_kernel, c.kernel_projection.weight))
+        # Keyed on the tensors the convolutions store (a quantized projection's blocks included): reading
+        # `.weight` dequantizes a quantized projection (about 1 ms for this check on every draft), so it is
+        # read only when one of them changed. Inference tensors keep no version counter: loaded for inference.
+        version = tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for c in convs
+                        for t in (c.base_kernel, *c.kernel_projection.parameters(), *c.kernel_projection.buffers()))
         if getattr(self, "_identity", (None,))[0] != version:
-            self._identity = (version, all(_is_identity(c) for c in convs))
+            plain = all(isinstance(getattr(c.kernel_projection, "weight", None), torch.Tensor) for c in convs)
+            self._identity = (version, plain and all(_is_identity(c) for c in convs))
         return super()._flat_plan() if self._identity[1] else None
 
     @staticmethod
