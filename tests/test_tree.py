@@ -315,6 +315,25 @@ def _selector_drafter(tiny_model, path, scale: float):
     return load_drafter(export_dflash2(base, sel, path / "dflash2", top_k=6, dtype="float32"))
 
 
+def test_identity_convolutions_are_checked_only_when_a_tensor_changes(tiny_models, tmp_path, monkeypatch):
+    """A DFlash2 drafter with identity convolutions (the export of `dflash train --selector`) takes the flat draft
+    path; whether they are the identity is checked again only when a stored tensor changes, since reading a
+    quantized projection's `.weight` dequantizes it."""
+    from dflash_torch.decoding import dflash2
+
+    d = quantize_blocks(_selector_drafter(tiny_models["llama"], tmp_path, 1.0), "q8_0")
+    d.fuse_context_kv()  # as `generate.load` does
+    calls, real = [], dflash2._is_identity
+    monkeypatch.setattr(dflash2, "_is_identity", lambda conv: calls.append(conv) or real(conv))
+    assert d._flat_plan() is not None and d._flat_plan() is not None
+    assert len(calls) == 2 * len(d.layers)  # each convolution once, on the first call only
+    conv = d.layers[0].attention_conv
+    kernel = conv.base_kernel.detach().clone()
+    kernel[0, 1, 0] = 0.5  # the position before now counts: no longer the identity
+    conv.base_kernel = torch.nn.Parameter(kernel, requires_grad=False)
+    assert d._flat_plan() is None
+
+
 @torch.inference_mode()
 def test_a_fresh_selectors_transitions_are_the_drafters_own_chances(tiny_models, tmp_path):
     d = _selector_drafter(tiny_models["llama"], tmp_path, 0.0)

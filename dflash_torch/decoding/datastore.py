@@ -3,9 +3,9 @@
 Prompt lookup drafts what the context already holds. Much of what a small model writes is its own stock
 phrasing ("Here is a step-by-step ...", "I hope this helps!"), which recurs across conversations rather than
 inside one. A datastore built from the target's greedy replies to other prompts (and its greedy choices along
-other text) keeps, for each context of 2 or 3 tokens, the token the target wrote next there, where it wrote
+other text) keeps, for each context of 1 to 3 tokens, the token the target wrote next there, where it wrote
 the same one in at least `min_share` of at least `min_count` occurrences; contexts it was unsure after are not
-kept. Chained from the committed tokens (the longest kept context first, then its shorter tail), it drafts a
+kept. Chained from the committed tokens (the longest kept context first, then its shorter tails), it drafts a
 phrase without a forward pass.
 
 It ships beside the drafter (`datastore.npz`, built by `tools/build_datastore.py` from drafter training data:
