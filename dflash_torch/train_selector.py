@@ -170,7 +170,14 @@ def train_selector(a: argparse.Namespace) -> dict:
         kw = dict(positions=K, top_k=a.selector_top_k, seed=a.seed)
         ex = examples(drafter, target, train_recs, feats, cols, device, blocks=a.selector_blocks, **kw)
         vx = examples(drafter, target, val_recs, feats, cols, device, blocks=max(256, a.selector_blocks // 10), **kw)
-        torch.save((ex, vx), cache_file)
+        tmp = cache_file.with_name(cache_file.name + ".part")
+        try:  # written whole or not at all: a full disk must not cost the passes already made
+            torch.save((ex, vx), tmp)
+            tmp.replace(cache_file)
+        except (OSError, RuntimeError) as e:
+            tmp.unlink(missing_ok=True)
+            print(f"selector: could not keep the drafter passes in {cache_file} ({e}); training on without "
+                  "keeping them", file=sys.stderr)
     sel = Selector(drafter.config["hidden_size"], target.embed_tokens.weight, a.selector_rank)
     sel.reset(a.seed)
     opt = torch.optim.AdamW(sel.parameters(), lr=a.lr, weight_decay=a.weight_decay)

@@ -247,7 +247,7 @@ def test_target_ids_of_the_wrong_length_are_a_clear_error(tiny_data, tmp_path):
         train.load_data([str(bad)])
 
 
-def test_selector_training_exports_a_dflash2_drafter(tiny_data, tmp_path):
+def test_selector_training_exports_a_dflash2_drafter(tiny_data, tmp_path, monkeypatch, capsys):
     """`dflash train --selector`: the selector's loss falls on its training blocks, the export loads as a
     DFlash2 drafter whose identity convolutions leave the drafter's hidden states as they were, its
     selector is the trained one, and generation with it stays lossless."""
@@ -317,6 +317,16 @@ def test_selector_training_exports_a_dflash2_drafter(tiny_data, tmp_path):
     for p in ([5, 17, 42, 99], [7, 8, 9, 10, 11, 12, 13]):
         assert list(generate_tokens(target, p, max_new_tokens=20, drafter=d2)) == list(
             generate_tokens(target, p, max_new_tokens=20))
+
+    # a disk that cannot take the drafter passes: one message, training goes on, no partial file left
+    def full(*_args, **_kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ts.torch, "save", full)
+    args.out, args.export = str(tmp_path / "sel-full"), None
+    assert ts.train_selector(args)["argmax_tf_accept"] == result["argmax_tf_accept"]
+    assert "could not keep the drafter passes" in capsys.readouterr().err
+    assert not list((tmp_path / "sel-full").glob("examples.pt*"))
 
 
 def test_mapped_features_equal_loaded(tiny_data):
