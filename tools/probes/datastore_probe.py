@@ -22,6 +22,23 @@ from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import load
 
 
+def serve_arm(p) -> dict:
+    """One arm's state, carried from prompt to prompt as a server carries it: the adaptive width (calibrated on
+    `p`), the fallback's carried verdict, prompt lookup's measured verify costs."""
+    return {"adaptive": AdaptiveBlockSize(dict(calibrated(p)), p.drafter.block_size), "carry": None, "costs": {}}
+
+
+def serve_reply(p, ids: list[int], tokens: int, arm: dict) -> tuple[list[int], Stats]:
+    """`tokens` greedy tokens for `ids` in the loop `dflash serve` runs (drafter, lookup, adaptive, fallback)."""
+    fallback = FallbackController(carried=arm["carry"])
+    st = Stats()
+    out = list(generate_tokens(p.target, ids, max_new_tokens=tokens, drafter=p.drafter, stop_token_ids=[], stats=st,
+                               controller=WithFallback(fallback, arm["adaptive"]), lookup=True,
+                               lookup_costs=arm["costs"]))
+    arm["carry"] = fallback.carry()
+    return out, st
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=3, help="first N prompts of each bench suite")
@@ -35,12 +52,13 @@ def main() -> None:
     store = p.drafter.datastore
     if store is None:
         raise SystemExit("datastore_probe: the drafter ships no datastore.npz")
-    costs = calibrated(p)
-    stores = ({"without": None, "with": store} if a.other is None
-              else {"shipped": store, "other": Datastore.load(a.other)})
+    try:
+        stores = ({"without": None, "with": store} if a.other is None
+                  else {"shipped": store, "other": Datastore.load(a.other)})
+    except ValueError as e:
+        raise SystemExit(f"datastore_probe: {e}") from None
     first, second = stores
-    arms = {a: {"adaptive": AdaptiveBlockSize(dict(costs), p.drafter.block_size), "carry": None, "costs": {}}
-            for a in stores}
+    arms = {name: serve_arm(p) for name in stores}
     ratios: dict[str, list[float]] = {a: [] for a in stores}
     equal = True
     for suite, prompts in collect_prompts("all", None, a.limit).items():
@@ -50,14 +68,8 @@ def main() -> None:
             ref = list(generate_tokens(p.target, ids, max_new_tokens=a.tokens, stop_token_ids=[], stats=st))
             base = st.decode_tok_s
             for arm in ((first, second) if i % 2 == 0 else (second, first)):
-                s = arms[arm]
                 p.drafter.datastore = stores[arm]
-                fallback = FallbackController(carried=s["carry"])
-                st = Stats()
-                out = list(generate_tokens(p.target, ids, max_new_tokens=a.tokens, drafter=p.drafter, stop_token_ids=[],
-                                           stats=st, controller=WithFallback(fallback, s["adaptive"]), lookup=True,
-                                           lookup_costs=s["costs"]))
-                s["carry"] = fallback.carry()
+                out, st = serve_reply(p, ids, a.tokens, arms[arm])
                 equal &= out == ref
                 ratios[arm].append(st.decode_tok_s / base)
                 print(f"{arm:7s} {suite:9s} target-only {base:6.1f} -> {st.decode_tok_s:6.1f} tok/s "

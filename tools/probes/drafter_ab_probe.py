@@ -12,10 +12,9 @@ import argparse
 import statistics
 
 import torch
+from datastore_probe import serve_arm, serve_reply  # (this folder: a script's own is on the path)
 
 from dflash_torch.bench_prompts import collect_prompts, encode
-from dflash_torch.decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrated
-from dflash_torch.decoding.fallback import FallbackController
 from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import load
 
@@ -33,8 +32,7 @@ def main() -> None:
     arms = {}
     for name, draft in (("first", a.draft), ("other", a.other)):
         p = load(draft=draft, quantize="auto", quiet=True)
-        arms[name] = {"p": p, "adaptive": AdaptiveBlockSize(dict(calibrated(p)), p.drafter.block_size),
-                      "carry": None, "costs": {}, "ratios": []}
+        arms[name] = {"p": p, **serve_arm(p), "ratios": []}
     equal = True
     for suite, prompts in collect_prompts("all", None, a.limit).items():
         for i, prompt in enumerate(prompts):
@@ -44,13 +42,8 @@ def main() -> None:
             ref = list(generate_tokens(p0.target, ids, max_new_tokens=a.tokens, stop_token_ids=[], stats=st))
             base = st.decode_tok_s
             for name in (("first", "other") if i % 2 == 0 else ("other", "first")):
-                s, p = arms[name], arms[name]["p"]
-                fallback = FallbackController(carried=s["carry"])
-                st = Stats()
-                out = list(generate_tokens(p.target, ids, max_new_tokens=a.tokens, drafter=p.drafter, stop_token_ids=[],
-                                           stats=st, controller=WithFallback(fallback, s["adaptive"]), lookup=True,
-                                           lookup_costs=s["costs"]))
-                s["carry"] = fallback.carry()
+                s = arms[name]
+                out, st = serve_reply(s["p"], ids, a.tokens, s)
                 equal &= out == ref
                 s["ratios"].append(st.decode_tok_s / base)
                 print(f"{name:5s} {suite:9s} target-only {base:6.1f} -> {st.decode_tok_s:6.1f} tok/s "
