@@ -223,7 +223,7 @@ class DFlash2Drafter(DFlashDrafter):
         # `train_selector.py`) the layers are the first format's and it computes the same bits.
         convs = [c for layer in self.layers for c in (layer.attention_conv, layer.mlp_conv)]
         # Keyed on the tensors the convolutions store (a quantized projection's blocks included): reading
-        # `.weight` dequantizes a quantized projection (about 1 ms for this check on every draft), so it is
+        # `.weight` dequantizes a quantized projection, too slow for every draft, so it is
         # read only when one of them changed. Inference tensors keep no version counter: loaded for inference.
         version = tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for c in convs
                         for t in (c.base_kernel, *c.kernel_projection.parameters(), *c.kernel_projection.buffers()))
