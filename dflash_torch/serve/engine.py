@@ -15,8 +15,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from ..decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrate
 from ..decoding.fallback import FallbackController
 from ..decoding.prefix_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DiskStore, PrefixCache
@@ -113,14 +111,6 @@ class TextStream:
 # Events of a generation go to the request's handler at most this often (the first and the last at once):
 # a stream's chunk then holds the tokens of up to this long, at a tenth of the wake-ups at 300 tok/s.
 EMIT_INTERVAL_S = 0.03
-
-# After a request the worker keeps its cores awake for a while: on the 2-core machine measured, a pass after
-# 0.3 s or more of idleness took up to 3x its time (a decode step 5.1 -> 15.5 ms), and one tiny parallel region
-# every 0.1 s of the wait kept it within a few milliseconds (tools/probes/idle_probe.py; docs/performance.md,
-# "A pass after an idle gap"). IDLE_BEAT_FOR_S after the last request the worker sleeps until the next one.
-# It touches no model state: results are the same with or without it.
-IDLE_BEAT_S = 0.1
-IDLE_BEAT_FOR_S = 60.0
 
 
 @dataclass
@@ -242,7 +232,6 @@ class Engine:
                     if config.prefix_cache_l2_dir else None)
             self.prefix = PrefixCache(config.prefix_cache_max_entries, config.prefix_cache_max_bytes, disk)
         self.stopping = False
-        self.idle_beats = 0  # parallel regions run while waiting to keep the cores awake (IDLE_BEAT_S)
         self.metrics = Metrics(self)
         self.thread = threading.Thread(target=self._main, name="dflash-worker", daemon=True)
 
@@ -347,14 +336,8 @@ class Engine:
             self._banner()
         except Exception:  # the start-up log is not worth a dead worker
             log.exception("dflash serve: could not write the start-up summary")
-        beat, awake_until = torch.ones(1 << 16), 0.0  # (the beat's tensor: large enough for a parallel region)
         while not self.stopping:
-            try:
-                job = self.queue.get(timeout=IDLE_BEAT_S if time.monotonic() < awake_until else None)
-            except queue.Empty:
-                torch.mul(beat, 2.0).sum()  # a parallel region of this thread's OpenMP team: the cores stay awake
-                self.idle_beats += 1
-                continue
+            job = self.queue.get()
             if job is None:
                 break
             self.current = job
@@ -365,7 +348,6 @@ class Engine:
                 job.emit("error", APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
             finally:
                 self.current = None
-                awake_until = time.monotonic() + IDLE_BEAT_FOR_S
 
     def _banner(self) -> None:
         p, c = self.pipe, self.config
