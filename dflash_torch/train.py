@@ -93,6 +93,21 @@ def init_from_target(drafter: DFlashDrafter, target, norm_scale: float = 0.3) ->
 
 
 @torch.no_grad()
+def grow_from(drafter: DFlashDrafter, init: DFlashDrafter) -> str:
+    """Load `init`'s weights into `drafter`, which may have more layers. Each added layer starts as a copy of
+    init's last one with its two residual outputs (o_proj, down_proj) zeroed: it adds nothing, so the grown
+    drafter drafts exactly what `init` does until training moves it. Returns "" or a note of the growth."""
+    n = len(init.layers)
+    state = init.state_dict()
+    for i in range(n, len(drafter.layers)):
+        for k, v in init.layers[n - 1].state_dict().items():
+            zero = k in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+            state[f"layers.{i}.{k}"] = torch.zeros_like(v) if zero else v.clone()
+    drafter.load_state_dict(state)
+    return f" (grown from {n} to {len(drafter.layers)} layers)" if len(drafter.layers) > n else ""
+
+
+@torch.no_grad()
 def init_random(drafter: DFlashDrafter, target, seed: int = 0, norm_scale: float = 0.3) -> None:
     """Random N(0, 0.02) matrices; the final norm as in `init_from_target`."""
     g = torch.Generator().manual_seed(seed)
@@ -395,11 +410,16 @@ def train(a: argparse.Namespace) -> dict:
         config = ckpt["config"]
     elif a.init_from:
         config = json.loads((Path(a.init_from) / "config.json").read_text())  # same shape, continue training
+        have = config["num_hidden_layers"]
+        if a.layers is not None and a.layers < have:
+            raise ValueError(f"--layers {a.layers}: {a.init_from} has {have} draft layers; "
+                             "a drafter can grow, not shrink")
+        config["num_hidden_layers"] = a.layers or have
     else:
         mask_id = a.mask_token_id if a.mask_token_id is not None else tcfg["vocab_size"] - 1
         name = a.name or tcfg.get("converted_from") or model_path.name
         name = registry.base_name(name)
-        config = drafter_config(tcfg, layers=a.layers, taps=taps, block_size=a.block_size, mask_token_id=mask_id,
+        config = drafter_config(tcfg, layers=a.layers or 2, taps=taps, block_size=a.block_size, mask_token_id=mask_id,
                                 name=name, intermediate_size=a.intermediate_size)
     drafter = DFlashDrafter(config).to(device)
     how = "resumed"
@@ -408,9 +428,8 @@ def train(a: argparse.Namespace) -> dict:
         drafter.set_draft_vocab(ckpt.get("draft_vocab"))
     elif a.init_from:
         init = load_drafter(a.init_from, dtype=torch.float32)
-        drafter.load_state_dict(init.state_dict())
+        how = f"weights from {a.init_from}" + grow_from(drafter, init)
         drafter.set_draft_vocab(init.draft_vocab)
-        how = f"weights from {a.init_from}"
     elif a.init == "target":
         how = init_from_target(drafter, target, a.norm_scale)
     else:
@@ -563,7 +582,8 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="run directory: checkpoint.pt, log.jsonl")
     p.add_argument("--model", default=None, help="target (default: the one recorded in the data)")
     p.add_argument("--name", default=None, help="target name recorded in the drafter (default: from the model)")
-    p.add_argument("--layers", type=int, default=2, help="draft layers")
+    p.add_argument("--layers", type=int, default=None,
+                   help="draft layers (default 2; with --init-from: as it has, or more to grow it)")
     p.add_argument("--intermediate-size", type=int, default=None, help="MLP size (default: the target's)")
     p.add_argument("--taps", default=None, help="comma-separated tap layers (default: all cached)")
     p.add_argument("--init", choices=("target", "random"), default="target",

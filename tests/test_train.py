@@ -342,3 +342,33 @@ def test_mapped_features_equal_loaded(tiny_data):
     assert torch.equal(mapped[torch.arange(len(ram))], ram)
     with pytest.raises(IndexError):
         mapped[torch.tensor([len(ram)])]
+
+
+def test_a_grown_drafter_drafts_what_it_grew_from(tiny_data, tmp_path):
+    """`--init-from D --layers N` with N above D's layers: the added layers add nothing until trained, so the
+    grown drafter's logits equal D's on the same batch, and the added layers get gradients; fewer is an error."""
+    records, feats, target, small = _random_drafter(tiny_data, seed=5)
+    small.eval()
+    big = train.DFlashDrafter({**small.config, "num_hidden_layers": 4})
+    assert "grown from 2 to 4" in train.grow_from(big, small)
+    big.eval()
+    cols = torch.arange(feats.shape[1])
+    b = train.make_batch(records, feats, cols, torch.Generator().manual_seed(6), seqs=2, anchors=4, block_size=8,
+                         mask_token_id=255)
+    with torch.no_grad():
+        want = train.block_logits(small, small, target, b, torch.device("cpu"))
+    got = train.block_logits(big, big, target, b, torch.device("cpu"))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.float().logsumexp(-1).sum().backward()
+    assert big.layers[3].self_attn.o_proj.weight.grad.abs().sum() > 0
+    # through the CLI: shrinking is refused with a message naming both counts
+    export = tmp_path / "small"
+    target_dir, out = tiny_data
+    run_train(["--data", str(out), "--out", str(tmp_path / "run"), "--steps", "1", "--layers", "2",
+               "--block-size", "8", "--seqs", "2", "--anchors", "4", "--export", str(export)])
+    with pytest.raises(ValueError, match="has 2 draft layers"):
+        run_train(["--data", str(out), "--out", str(tmp_path / "run2"), "--steps", "1", "--layers", "1",
+                   "--init-from", str(export)])
+    last = run_train(["--data", str(out), "--out", str(tmp_path / "run3"), "--steps", "1", "--layers", "3",
+                      "--seqs", "2", "--anchors", "4", "--init-from", str(export), "--export", str(tmp_path / "big")])
+    assert last["step"] == 1 and len(load_drafter(tmp_path / "big").layers) == 3
