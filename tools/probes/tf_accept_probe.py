@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--draft", required=True, help="drafter directories, comma-separated")
     ap.add_argument("--blocks", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--bf16", action="store_true", help="under bf16 autocast, as `dflash train` evaluates by default")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
@@ -36,7 +37,8 @@ def main() -> None:
         row = []
         for path in drafts:
             drafter = load_drafter(path, dtype=torch.float32)
-            row.append(train.tf_acceptance(drafter, target, val, feats, cols, device, n_blocks=args.blocks))
+            row.append(train.tf_acceptance(drafter, target, val, feats, cols, device, n_blocks=args.blocks,
+                                           bf16=args.bf16))
         print(f"{d} ({len(val)} held out)".ljust(44) + "".join(f"{v:.4f}".ljust(28) for v in row), flush=True)
 
 
