@@ -15,6 +15,12 @@ train --data DIR` reads them. Left out: conversations whose first user turn is i
 replay bench and the long-context suite read first.
 
     python tools/teacher_forced_data.py --out runs/tf-data --limit 4000 [--skip 0] [--turns 3] [--threads 2]
+
+With `--prompts FILE` (a JSONL as `python -m dflash_torch.data --prompts` reads) the replies are the target's own:
+`dflash generate`'s loop writes each one greedily (drafter, prompt lookup, adaptive width, fallback: output equal
+to target-only decoding, at its speed), then the same prefill gives the features, and every label is valid.
+
+    python tools/teacher_forced_data.py --out runs/gen --prompts runs/turn3.jsonl [--max-new-tokens 256]
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from sharegpt_turns import REPLAY_RESERVE  # (tools/, beside this script) the co
 
 from dflash_torch import data
 from dflash_torch.bench_longctx import conversations, sharegpt_multiturn
-from dflash_torch.generate import load
+from dflash_torch.generate import generate, load
 
 
 def records_of(tok, turns: list[tuple[str, str]], n_turns: int, max_prompt: int, max_reply: int, end: int):
@@ -59,6 +65,16 @@ def records_of(tok, turns: list[tuple[str, str]], n_turns: int, max_prompt: int,
     return out
 
 
+def controllers(p):
+    """A new controller per reply, `dflash generate`'s default for a greedy run: the fallback around the adaptive
+    width, from the costs calibrated once for this machine."""
+    from dflash_torch.decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrated
+    from dflash_torch.decoding.fallback import FallbackController
+
+    costs = calibrated(p)
+    return lambda: WithFallback(FallbackController(), AdaptiveBlockSize(costs, p.drafter.block_size))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -69,16 +85,19 @@ def main() -> None:
     ap.add_argument("--max-reply-tokens", type=int, default=320)
     ap.add_argument("--shard-size", type=int, default=128, help="records per shard")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", default=None, help="JSONL of prompts: the target writes the replies (see above)")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="with --prompts: the longest reply")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    p = load(draft=None, quantize="auto", quiet=True)
+    p = load(draft="auto" if args.prompts else None, quantize="auto", quiet=True)
     tok, target = p.tokenizer, p.target
     taps = data.default_taps(target.num_layers)
     end = p.stop_token_ids[0]
     meta = {"model": str(p.model_path), "taps": taps, "hidden_size": target.config.hidden_size,
-            "source": "sharegpt teacher-forced", "quantize": p.quantize, "labels": "target_ids"}
+            "source": f"replies generated for {args.prompts}" if args.prompts else "sharegpt teacher-forced",
+            "quantize": p.quantize, "labels": "target_ids"}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     done = {r["key"] for s in data.shard_paths(out) for r in data.read_records(s)}
     reserved = {c["id"].removeprefix("sharegpt:") for c in sharegpt_multiturn(REPLAY_RESERVE)}
@@ -96,6 +115,17 @@ def main() -> None:
                 return
             yield from records_of(tok, turns, args.turns, args.max_prompt_tokens, args.max_reply_tokens, end)
 
+    def generated():
+        """The prompts of --prompts with the target's greedy replies (the stop token kept, as the data tool does)."""
+        new_controller = controllers(p)
+        for msgs in data.jsonl_prompts(args.prompts)[args.skip : args.skip + args.limit]:
+            if data.chat_key(msgs) in done:
+                continue
+            prompt = data.encode_chat(tok, msgs)
+            if len(prompt) > args.max_prompt_tokens:
+                continue
+            yield msgs, prompt, generate(p, prompt, args.max_new_tokens, controller=new_controller()).token_ids
+
     shard = len(data.shard_paths(out))
     recs, feats, t0, n_tok, agree = [], [], time.time(), 0, [0, 0]
 
@@ -110,7 +140,7 @@ def main() -> None:
         shard, recs, feats = shard + 1, [], []
 
     with torch.inference_mode():
-        for msgs, prompt, reply in wanted():
+        for msgs, prompt, reply in generated() if args.prompts else wanted():
             key = data.chat_key(msgs)
             if key in done:
                 continue
@@ -126,8 +156,10 @@ def main() -> None:
             agree[1] += len(reply)
             if len(recs) == args.shard_size:
                 flush()
-                print(f"shard {shard}: {n_tok} tokens, {n_tok / (time.time() - t0):.0f} tok/s, text = target's "
-                      f"choice at {agree[0] / agree[1]:.1%} of reply tokens", file=sys.stderr, flush=True)
+                dt = time.time() - t0
+                print(f"shard {shard}: {n_tok} tokens, {n_tok / dt:.0f} tok/s ({agree[1] / dt:.0f} reply tok/s), "
+                      f"text = target's choice at {agree[0] / agree[1]:.1%} of reply tokens",
+                      file=sys.stderr, flush=True)
     flush()
     print(f"done: {shard} shards, {n_tok} tokens this run in {time.time() - t0:.0f} s", file=sys.stderr)
 
