@@ -458,7 +458,8 @@ def test_doctor_lists_the_install(capsys):
 @pytest.mark.parametrize("tied", [False, True])
 def test_block_embedding_row_cache_returns_fresh_lookups(tied, monkeypatch):
     """A block-stored embedding keeps the rows it dequantized for small lookups: every lookup equals the
-    dequantized table's rows bit for bit (repeated ids, ids the cache dropped, lookups past its row limit),
+    dequantized table's rows bit for bit (repeated ids, ids the cache dropped, lookups past its row limit, a
+    lookup of a kept row that is the next to go beside a new one),
     what it returns is never the kept row itself, and moving the module drops what it kept."""
     from dflash_torch.kernels import pack
     from dflash_torch.models.quantize import BlockEmbedding, BlockLinear
@@ -470,7 +471,9 @@ def test_block_embedding_row_cache_returns_fresh_lookups(tied, monkeypatch):
         embed = BlockEmbedding(None, fmt, head=BlockLinear(None, fmt, raw=raw)) if tied else BlockEmbedding(raw, fmt)
         monkeypatch.setattr(BlockEmbedding, "ROW_CACHE_BYTES", 10 * 4 * 64)  # room for SMALL_LOOKUP rows
         monkeypatch.setattr(BlockEmbedding, "SMALL_LOOKUP", 12)
-        for ids in ([[5]], [[5]], [[1, 2, 3, 2, 1]], [list(range(12))], [list(range(40))], [[69, 0, 69]], [[5]]):
+        # [[5, 20]] after the cache filled: 5 is the oldest kept row and 20 must make room (a long-running server)
+        for ids in ([[5]], [[5]], [[1, 2, 3, 2, 1]], [list(range(12))], [[5, 20]], [list(range(40))], [[69, 0, 69]],
+                    [[5]]):
             t = torch.tensor(ids)
             got = embed(t)
             assert got.shape == (*t.shape, 64) and torch.equal(got, table[t]), (fmt, ids)

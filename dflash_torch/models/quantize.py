@@ -259,13 +259,15 @@ class BlockEmbedding(nn.Module):
         else:
             cache = self.__dict__.setdefault("_rows", {})  # token id -> [H] float32 (not state: not saved)
             keys = flat_ids.tolist()
-            missing = [t for t in dict.fromkeys(keys) if t not in cache]
+            got = {t: cache[t] for t in dict.fromkeys(keys) if t in cache}
+            missing = [t for t in dict.fromkeys(keys) if t not in got]
             if missing:
+                got.update(zip(missing, self._dequantize(torch.tensor(missing, dtype=torch.long)).unbind(0)))
                 limit = max(self.SMALL_LOOKUP, self.ROW_CACHE_BYTES // (4 * self.embedding_dim))
-                while len(cache) + len(missing) > limit:  # the oldest first
+                while len(cache) + len(missing) > limit:  # the oldest first (rows of this call too: `got` has them)
                     cache.pop(next(iter(cache)))
-                cache.update(zip(missing, self._dequantize(torch.tensor(missing, dtype=torch.long)).unbind(0)))
-            rows = torch.stack([cache[t] for t in keys])  # a new tensor: callers never hold the cached rows
+                cache.update((t, got[t]) for t in missing)
+            rows = torch.stack([got[t] for t in keys])  # a new tensor: callers never hold the cached rows
         return rows.to(self.weight.dtype).view(*ids.shape, self.embedding_dim)
 
 
