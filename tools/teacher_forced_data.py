@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--prompts", default=None, help="JSONL of prompts: the target writes the replies (see above)")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="with --prompts: the longest reply")
     args = ap.parse_args()
+    if args.prompts and not Path(args.prompts).is_file():
+        sys.exit(f"teacher_forced_data: --prompts {args.prompts}: no such file")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -259,8 +259,9 @@ class BlockEmbedding(nn.Module):
         else:
             cache = self.__dict__.setdefault("_rows", {})  # token id -> [H] float32 (not state: not saved)
             keys = flat_ids.tolist()
-            got = {t: cache[t] for t in dict.fromkeys(keys) if t in cache}
-            missing = [t for t in dict.fromkeys(keys) if t not in got]
+            wanted = dict.fromkeys(keys)  # each id once, in order
+            got = {t: cache[t] for t in wanted if t in cache}
+            missing = [t for t in wanted if t not in got]
             if missing:
                 got.update(zip(missing, self._dequantize(torch.tensor(missing, dtype=torch.long)).unbind(0)))
                 limit = max(self.SMALL_LOOKUP, self.ROW_CACHE_BYTES // (4 * self.embedding_dim))

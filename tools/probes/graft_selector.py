@@ -8,7 +8,8 @@ from safetensors.torch import load_file, save_file
 
 sel, base, out = sys.argv[1:4]
 t, b = load_file(f"{sel}/model.safetensors"), load_file(f"{base}/model.safetensors")
-assert set(b) <= set(t) and all(t[k].shape == b[k].shape for k in b), "not the same drafter shape"
+if not (set(b) <= set(t) and all(t[k].shape == b[k].shape for k in b)):
+    sys.exit(f"graft_selector: {base} is not a drafter of {sel}'s shape")
 t.update({k: v.to(t[k].dtype) for k, v in b.items()})
 os.makedirs(out, exist_ok=True)
 save_file(t, f"{out}/model.safetensors", metadata={"format": "pt"})
