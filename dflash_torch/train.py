@@ -640,4 +640,7 @@ def add_parser(sub) -> None:
     p.add_argument("--selector-top-k", type=int, default=4, help="with --selector: candidates per position")
     p.add_argument("--selector-blocks", type=int, default=20000, help="with --selector: training blocks")
     p.add_argument("--selector-epochs", type=int, default=20, help="with --selector: epochs over those blocks")
+    p.add_argument("--selector-ensemble", type=int, default=1,
+                   help="with --selector: train this many selectors (seeds --seed, --seed + 1, ...) on the same "
+                        "drafter passes and export their average, one selector of rank N x --selector-rank")
     p.set_defaults(func=cmd_train)

@@ -80,6 +80,29 @@ class Selector(nn.Module):
                 "successor_codebook": self.successor_projection(self.embed)}
 
 
+class SelectorEnsemble(nn.Module):
+    """Selectors trained alike from different seeds, their interaction terms averaged:
+    score = logit + mean_i interaction_i. Each one alone is noisy (its gain over the argmax moves with the seed);
+    the mean of a few keeps more of the reply than any of them (docs/training.md). It is itself a selector of
+    the published form: a sum of rank-r interactions is one interaction of rank n r, so `codebooks()` stacks the
+    members' hidden projections (each scaled by 1/n) and concatenates their codebooks' columns."""
+
+    def __init__(self, members: list[Selector]) -> None:
+        super().__init__()
+        self.members = nn.ModuleList(members)
+
+    def scores(self, hidden: torch.Tensor, pred: torch.Tensor, cand: torch.Tensor, unary: torch.Tensor) -> torch.Tensor:
+        zero = torch.zeros_like(unary)
+        return unary + sum(m.scores(hidden, pred, cand, zero) for m in self.members) / len(self.members)
+
+    @torch.no_grad()
+    def codebooks(self) -> dict[str, torch.Tensor]:
+        books = [m.codebooks() for m in self.members]
+        return {"hidden_projection.weight": torch.cat([b["hidden_projection.weight"] for b in books]) / len(books),
+                "predecessor_codebook": torch.cat([b["predecessor_codebook"] for b in books], 1),
+                "successor_codebook": torch.cat([b["successor_codebook"] for b in books], 1)}
+
+
 @torch.no_grad()
 def examples(drafter, target, records, feats, cols, device, *, blocks: int, positions: int, top_k: int,
              seed: int) -> dict:
@@ -109,7 +132,7 @@ def examples(drafter, target, records, feats, cols, device, *, blocks: int, posi
     return {k: torch.cat(v)[:blocks] for k, v in out.items()}
 
 
-def chains(sel: Selector | None, ex: dict, rows: torch.Tensor) -> torch.Tensor:
+def chains(sel: Selector | SelectorEnsemble | None, ex: dict, rows: torch.Tensor) -> torch.Tensor:
     """Greedy drafts [n, K] of the examples `rows`: the selector's sequential choice (its own previous
     choice as the predecessor), or without a selector the drafter's argmax."""
     cand = ex["cand"][rows]
@@ -144,6 +167,8 @@ def train_selector(a: argparse.Namespace) -> dict:
     """Train a selector for the drafter `a.init_from` on `a.data`; write a DFlash2 drafter to `a.export`."""
     if not a.init_from:
         raise ValueError("dflash train --selector needs --init-from DRAFTER_DIR (the drafter it selects for)")
+    if a.selector_ensemble < 1:
+        raise ValueError(f"--selector-ensemble must be at least 1, got {a.selector_ensemble}")
     device = loading.pick_device(a.device)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -178,20 +203,44 @@ def train_selector(a: argparse.Namespace) -> dict:
             tmp.unlink(missing_ok=True)
             print(f"selector: could not keep the drafter passes in {cache_file} ({e}); training on without "
                   "keeping them", file=sys.stderr)
-    sel = Selector(drafter.config["hidden_size"], target.embed_tokens.weight, a.selector_rank)
-    sel.reset(a.seed)
-    opt = torch.optim.AdamW(sel.parameters(), lr=a.lr, weight_decay=a.weight_decay)
     weights = position_weights(K + 1, a.gamma)
     val_rows = torch.arange(len(vx["labels"]))
     base = round(tf_accept(chains(None, vx, val_rows), vx["labels"]), 4)
-    best = {"epoch": 0, "tf_accept": base, "state": {k: v.clone() for k, v in sel.state_dict().items()}}
-    with torch.no_grad():
-        val_loss = round(loss_of(sel, vx, val_rows, weights).item(), 4)
     log_line(log_file, {"event": "start", "train_blocks": len(ex["labels"]), "val_blocks": len(vx["labels"]),
-                        "positions": K, "argmax_tf_accept": base, "val_loss": val_loss})
+                        "positions": K, "argmax_tf_accept": base})
     print(f"selector: {len(ex['labels'])} training blocks, {len(vx['labels'])} held out; argmax drafts keep "
-          f"{base} tokens per block (teacher forced), held-out loss {val_loss}", file=sys.stderr)
-    gen, t0, batch = torch.Generator().manual_seed(a.seed), time.time(), 256
+          f"{base} tokens per block (teacher forced)", file=sys.stderr)
+    members, best_epochs = [], []
+    for i in range(a.selector_ensemble):
+        sel, epoch = fit(a, target.embed_tokens.weight, ex, vx, weights, base, seed=a.seed + i, log_file=log_file)
+        members.append(sel)
+        best_epochs.append(epoch)
+    sel = members[0] if len(members) == 1 else SelectorEnsemble(members)
+    with torch.no_grad():
+        acc = round(tf_accept(chains(sel, vx, val_rows), vx["labels"]), 4)
+    if len(members) > 1:
+        log_line(log_file, {"event": "ensemble", "members": len(members), "tf_accept": acc})
+        print(f"selector: the {len(members)} selectors averaged: tf_accept {acc}", file=sys.stderr)
+    result = {"argmax_tf_accept": base, "selector_tf_accept": acc,
+              "best_epoch": best_epochs[0] if len(best_epochs) == 1 else best_epochs}
+    if a.export:
+        export_dflash2(a.init_from, sel, a.export, a.selector_top_k, a.export_dtype)
+        result["export"] = str(a.export)
+        print(f"selector: wrote the DFlash2 drafter {a.export} (epochs {best_epochs})", file=sys.stderr)
+    log_line(log_file, {"event": "done", **result})
+    return result
+
+
+def fit(a: argparse.Namespace, embed: torch.Tensor, ex: dict, vx: dict, weights: torch.Tensor, base: float, *,
+        seed: int, log_file: Path) -> tuple[Selector, int]:
+    """One selector trained from `seed` on the cached passes `ex`; returns it at its best epoch by teacher-forced
+    acceptance on `vx` (epoch 0: the untrained selector, which drafts the argmax), and that epoch."""
+    sel = Selector(ex["hidden"].shape[-1], embed, a.selector_rank)
+    sel.reset(seed)
+    opt = torch.optim.AdamW(sel.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+    val_rows = torch.arange(len(vx["labels"]))
+    best = {"epoch": 0, "tf_accept": base, "state": {k: v.clone() for k, v in sel.state_dict().items()}}
+    gen, t0, batch = torch.Generator().manual_seed(seed), time.time(), 256
     for epoch in range(1, a.selector_epochs + 1):
         order = torch.randperm(len(ex["labels"]), generator=gen)
         for i in range(0, len(order), batch):
@@ -202,22 +251,17 @@ def train_selector(a: argparse.Namespace) -> dict:
         with torch.no_grad():
             acc = round(tf_accept(chains(sel, vx, val_rows), vx["labels"]), 4)
             val_loss = round(loss_of(sel, vx, val_rows, weights).item(), 4)
-        log_line(log_file, {"epoch": epoch, "val_loss": val_loss, "tf_accept": acc,
+        log_line(log_file, {"seed": seed, "epoch": epoch, "val_loss": val_loss, "tf_accept": acc,
                             "elapsed": round(time.time() - t0, 1)})
-        print(f"selector: epoch {epoch}: held-out loss {val_loss}, tf_accept {acc} (argmax {base})", file=sys.stderr)
+        print(f"selector (seed {seed}): epoch {epoch}: held-out loss {val_loss}, tf_accept {acc} (argmax {base})",
+              file=sys.stderr)
         if acc > best["tf_accept"]:
             best = {"epoch": epoch, "tf_accept": acc, "state": {k: v.clone() for k, v in sel.state_dict().items()}}
     sel.load_state_dict(best["state"])
-    result = {"argmax_tf_accept": base, "selector_tf_accept": best["tf_accept"], "best_epoch": best["epoch"]}
-    if a.export:
-        export_dflash2(a.init_from, sel, a.export, a.selector_top_k, a.export_dtype)
-        result["export"] = str(a.export)
-        print(f"selector: wrote the DFlash2 drafter {a.export} (epoch {best['epoch']})", file=sys.stderr)
-    log_line(log_file, {"event": "done", **result})
-    return result
+    return sel, best["epoch"]
 
 
-def export_dflash2(drafter_dir: str | Path, sel: Selector, path: str | Path, top_k: int,
+def export_dflash2(drafter_dir: str | Path, sel: Selector | SelectorEnsemble, path: str | Path, top_k: int,
                    dtype: str = "bfloat16") -> Path:
     """The drafter of `drafter_dir` with identity convolutions and the selector, in the published DFlash2
     layout (config.json with architectures DFlash2DraftModel, model.safetensors; the codebooks without
@@ -236,13 +280,14 @@ def export_dflash2(drafter_dir: str | Path, sel: Selector, path: str | Path, top
             base[:, 0] = 1.0  # the current token times one, the one before times zero: the identity
             state[f"layers.{i}.{conv}.base_kernel"] = base
             state[f"layers.{i}.{conv}.kernel_projection.weight"] = torch.zeros(2 * CONV_KERNEL * h // CONV_GROUP, h)
-    for k, v in sel.codebooks().items():
+    books = sel.codebooks()
+    for k, v in books.items():
         state[f"candidate_selector.{k}"] = v
     state = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in state.items()}
     config["architectures"] = ["DFlash2DraftModel"]
     dc = config.setdefault("dflash_config", {})
     dc.update(conv_kernel_size=CONV_KERNEL, conv_group_size=CONV_GROUP,
-              selector_rank=sel.hidden_projection.weight.shape[0], selector_top_k=top_k)
+              selector_rank=books["hidden_projection.weight"].shape[0], selector_top_k=top_k)
     config["dtype"] = dtype
     path.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -328,6 +328,20 @@ def test_selector_training_exports_a_dflash2_drafter(tiny_data, tmp_path, monkey
     assert "could not keep the drafter passes" in capsys.readouterr().err
     assert not list((tmp_path / "sel-full").glob("examples.pt*"))
 
+    # --selector-ensemble: members from consecutive seeds on the same cached passes, exported as one selector
+    args.out, args.export, args.selector_ensemble = str(tmp_path / "sel"), str(tmp_path / "d3"), 2
+    result = ts.train_selector(args)
+    assert len(result["best_epoch"]) == 2
+    saved = load_file(str(tmp_path / "d3" / "model.safetensors"))
+    assert saved["candidate_selector.predecessor_codebook"].shape == (256, 16)
+    assert saved["candidate_selector.hidden_projection.weight"].shape[0] == 16
+    log = [json.loads(x) for x in (tmp_path / "sel" / "log.jsonl").read_text().splitlines()]
+    assert {r["seed"] for r in log[-6:] if "epoch" in r} == {args.seed, args.seed + 1}
+    assert type(load_drafter(tmp_path / "d3")).__name__ == "DFlash2Drafter"
+    args.selector_ensemble = 0
+    with pytest.raises(ValueError, match="at least 1"):
+        ts.train_selector(args)
+
 
 def test_mapped_features_equal_loaded(tiny_data):
     """The memory-mapped shards give exactly the rows of the features read into RAM, in any order, across

@@ -315,6 +315,41 @@ def _selector_drafter(tiny_model, path, scale: float):
     return load_drafter(export_dflash2(base, sel, path / "dflash2", top_k=6, dtype="float32"))
 
 
+def test_selector_ensemble_exports_as_one_selector(tiny_models, tmp_path):
+    """`dflash train --selector --selector-ensemble N`: N selectors' averaged interactions, exported as one selector
+    of rank N r in the published layout, score every candidate as the ensemble does, so the loaded drafter picks
+    the ensemble's tokens."""
+    from dflash_torch.train_selector import Selector, SelectorEnsemble, export_dflash2
+
+    base = make_drafter(tiny_models["llama"], tmp_path / "base", block_size=16)
+    c = json.loads((tiny_models["llama"] / "config.json").read_text())
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(c["vocab_size"], c["hidden_size"], generator=g) / c["hidden_size"] ** 0.5
+    members = []
+    for seed in range(3):
+        sel = Selector(c["hidden_size"], embed, 4)
+        sel.reset(seed)
+        with torch.no_grad():
+            sel.successor_projection.weight.normal_(0, 1.0, generator=g)
+        members.append(sel)
+    ens = SelectorEnsemble(members)
+    d = load_drafter(export_dflash2(base, ens, tmp_path / "dflash2", top_k=6, dtype="float32"))
+    assert d.candidate_selector.predecessor_codebook.shape == (c["vocab_size"], 12)
+    K, V = 15, c["vocab_size"]
+    logits, hidden, anchor = torch.randn(K, V, generator=g) * 3, torch.randn(K, c["hidden_size"], generator=g), 7
+    with torch.no_grad():
+        picked = d.candidate_selector(logits, hidden, anchor)
+        pred = torch.tensor(anchor)
+        for j in range(K):  # along the loaded selector's own choices, the ensemble's scores are its scores
+            unary = logits[j].topk(6).values
+            want = ens.scores(hidden[j], pred, picked.candidates[j], unary)
+            torch.testing.assert_close(picked.scores[j], want, rtol=1e-5, atol=1e-5)
+            top2 = want.topk(2).values
+            if top2[0] - top2[1] > 1e-4:  # its pick is the ensemble's, unless the two are tied at float32's reach
+                assert picked.tokens[j] == picked.candidates[j, want.argmax()]
+            pred = picked.tokens[j]
+
+
 def test_identity_convolutions_are_checked_only_when_a_tensor_changes(tiny_models, tmp_path, monkeypatch):
     """A DFlash2 drafter with identity convolutions (the export of `dflash train --selector`) takes the flat draft
     path; whether they are the identity is checked again only when a stored tensor changes, since reading a
