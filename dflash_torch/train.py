@@ -120,11 +120,21 @@ def init_random(drafter: DFlashDrafter, target, seed: int = 0, norm_scale: float
 # --- batches --------------------------------------------------------------------------------------
 
 
-def split_records(records: list[dict], val_every: int = 20) -> tuple[list[dict], list[dict]]:
-    """(train, validation) records by a fixed hash of the key (validation ~1/val_every)."""
+def split_records(records: list[dict], val_every: int = 20, group_tokens: int = 96) -> tuple[list[dict], list[dict]]:
+    """(train, validation) records by a fixed hash of the key (validation ~1/val_every).
+
+    Records whose prompts share their first `group_tokens` tokens go to the same side: prompts ending at the
+    third, fourth and fifth user turn of one conversation (`tools/sharegpt_turns.py`) are one conversation,
+    and a reply to its fourth turn is no held-out test of a model trained on the reply to its third. The side
+    of such a group is its smallest key's; a record alone keeps the side of its own key."""
+    first: dict[tuple, str] = {}
+    for r in records:
+        g = tuple(r["prompt_ids"][:group_tokens])
+        first[g] = min(first.get(g, r["key"]), r["key"])
     train, val = [], []
     for r in records:
-        (val if int(r["key"][:8], 16) % val_every == 0 else train).append(r)
+        key = first[tuple(r["prompt_ids"][:group_tokens])]
+        (val if int(key[:8], 16) % val_every == 0 else train).append(r)
     return train, val
 
 

@@ -247,6 +247,27 @@ def test_target_ids_of_the_wrong_length_are_a_clear_error(tiny_data, tmp_path):
         train.load_data([str(bad)])
 
 
+def test_split_keeps_a_conversations_turns_on_one_side():
+    """`train.split_records`: a record alone keeps its key's side; records whose prompts share their first 96 tokens
+    (later turns of one conversation) all go to one side, so no held-out reply continues a training prompt."""
+    g = torch.Generator().manual_seed(0)
+    keys = [f"{int(k):016x}" for k in torch.randint(0, 2**62, (400,), generator=g)]
+    alone = [{"key": k, "prompt_ids": [i, *range(100)]} for i, k in enumerate(keys[:200])]
+    convs = []
+    for c in range(50):  # 4 turns each: prompts growing from one 120-token start
+        start = torch.randint(3, 250, (120,), generator=g).tolist()
+        convs += [{"key": keys[200 + 4 * c + t], "prompt_ids": start + [7] * 30 * t} for t in range(4)]
+    train_recs, val_recs = train.split_records(alone + convs, val_every=5)
+    by_key = {r["key"]: r in val_recs for r in alone + convs}
+    assert all(by_key[r["key"]] == (int(r["key"][:8], 16) % 5 == 0) for r in alone)
+    for c in range(50):
+        sides = {by_key[r["key"]] for r in convs[4 * c : 4 * c + 4]}
+        assert len(sides) == 1
+        assert sides.pop() == (int(min(r["key"] for r in convs[4 * c : 4 * c + 4])[:8], 16) % 5 == 0)
+    assert 0 < sum(by_key[r["key"]] for r in convs) < len(convs)  # both sides hold conversations
+    assert len(train_recs) + len(val_recs) == 400
+
+
 def test_selector_training_exports_a_dflash2_drafter(tiny_data, tmp_path, monkeypatch, capsys):
     """`dflash train --selector`: the selector's loss falls on its training blocks, the export loads as a
     DFlash2 drafter whose identity convolutions leave the drafter's hidden states as they were, its
