@@ -3,8 +3,8 @@ only the anchors a loop of argmax chains visits (the first reply token, then anc
 selectors (`train_selector.fit`, seeds 1-5) trained on those blocks and averaged, exported as a DFlash2 drafter.
 Prints teacher-forced acceptance on the held-out records' visited and every-anchor blocks for the drafter's argmax,
 the new selectors and optionally another exported selector (--other). The held-out records are those of the
-per-key split `dflash train --selector` used before 2026-12-06 (--val-every 10), so the figures compare with
-its runs of that time.
+split by each record's key that `dflash train --selector` used before `train.split_records` kept a conversation's
+turns together (--val-every 10), so the figures compare with its runs of that time (runs/ens5).
 
     python tools/probes/loop_anchor_selector_probe.py --data runs/gen9,runs/gen10 --cache runs/ren/examples_all.pt \
         --out runs/sel19/drafter --other runs/ens5/drafter
