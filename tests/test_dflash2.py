@@ -172,17 +172,26 @@ def test_generate_cli_matches_reference(fixture, capsys, monkeypatch, extra, exa
     calls = []
     select = DFlash2Drafter.select
     monkeypatch.setattr(DFlash2Drafter, "select", lambda self, *a: calls.append(1) or select(self, *a))
+    drafter_passes = 0
     for case in expected["generate"]:
         args = ["generate", "--model", str(fixture / "target"), "--draft", str(fixture / "draft"), "--prompt-ids",
                 ",".join(map(str, case["prompt"])), "--max-tokens", "48", "--json", *extra]
         out = _cli_json(args, capsys)
         assert out["token_ids"] == case["dflash_output"] == case["greedy_output"]
         s = out["stats"]
+        drafter_passes += (sum(n for w, n in s["verify_widths"].items() if int(w) > 1)
+                           - s["lookup_cycles"] - s["datastore_cycles"])
         if "--no-draft" in extra:
             assert s["mode"] == "target-only"
         elif exact_cycles:
             assert s["mode"] == "dflash" and s["acceptance_lengths"] == case["acceptance_lengths"]
-    assert (len(calls) > 0) == ("--no-draft" not in extra)  # the loop let the selector pick the drafts
+    # the selector picked every draft the drafter made; the default loop's fallback and adaptive width decide by
+    # measured time whether it drafts at all, which a busy machine can tip towards none
+    assert (len(calls) > 0) == (drafter_passes > 0)
+    if "--no-draft" in extra:
+        assert drafter_passes == 0
+    if exact_cycles:
+        assert drafter_passes > 0
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "int8"])
