@@ -30,6 +30,8 @@ import torch.nn.functional as F
 
 from . import data as dataset
 from . import loading, registry
+from .decoding.dflash2 import ARCHITECTURE as DFLASH2
+from .decoding.dflash2 import DFlash2Drafter, first_format_config
 from .decoding.drafter import Blocks, DFlashDrafter, load_drafter, num_params
 
 # --- the drafter ----------------------------------------------------------------------------------
@@ -420,6 +422,8 @@ def train(a: argparse.Namespace) -> dict:
         config = ckpt["config"]
     elif a.init_from:
         config = json.loads((Path(a.init_from) / "config.json").read_text())  # same shape, continue training
+        if DFLASH2 in config.get("architectures", []):
+            config = first_format_config(config)  # its drafter trains on; its selector would no longer fit it
         have = config["num_hidden_layers"]
         if a.layers is not None and a.layers < have:
             raise ValueError(f"--layers {a.layers}: {a.init_from} has {have} draft layers; "
@@ -438,7 +442,11 @@ def train(a: argparse.Namespace) -> dict:
         drafter.set_draft_vocab(ckpt.get("draft_vocab"))
     elif a.init_from:
         init = load_drafter(a.init_from, dtype=torch.float32)
-        how = f"weights from {a.init_from}" + grow_from(drafter, init)
+        how = f"weights from {a.init_from}"
+        if isinstance(init, DFlash2Drafter):
+            init = init.first_format()
+            how += " (its drafter without the candidate selector; `dflash train --selector` trains one for the result)"
+        how += grow_from(drafter, init)
         drafter.set_draft_vocab(init.draft_vocab)
     elif a.init == "target":
         how = init_from_target(drafter, target, a.norm_scale)

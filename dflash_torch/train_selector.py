@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from . import loading
+from .decoding.dflash2 import DFlash2Drafter
 from .decoding.drafter import VOCAB_FILE, load_drafter
 from .train import block_hidden, load_data, log_line, make_batch, position_weights, split_records
 
@@ -176,8 +177,9 @@ def train_selector(a: argparse.Namespace) -> dict:
     model_path = loading.resolve_model(a.model or meta["model"])
     target = loading.load_target(model_path, device, torch.float32)
     drafter = load_drafter(a.init_from, device=device, dtype=torch.float32).eval()
-    if getattr(drafter, "selector", None) is not None:
-        raise ValueError(f"{a.init_from} already has a candidate selector")
+    if isinstance(drafter, DFlash2Drafter):  # a new selector in place of its own (convolutions the identity only)
+        drafter = drafter.first_format().to(device).eval()
+        print(f"selector: {a.init_from} has a candidate selector; training a new one in its place", file=sys.stderr)
     cached, h = meta["taps"], target.config.hidden_size
     missing = [t for t in drafter.target_layer_ids if t not in cached]
     if missing:

@@ -364,6 +364,65 @@ def test_selector_training_exports_a_dflash2_drafter(tiny_data, tmp_path, monkey
         ts.train_selector(args)
 
 
+def test_training_continues_from_a_dflash2_drafter(tiny_data, tmp_path):
+    """A drafter with a selector trained onto it (identity convolutions, as the shipped one): `dflash train
+    --init-from` it continues its drafter (exported in the first format, without the selector), `--selector
+    --init-from` it trains a new selector in its place, and one whose convolutions are not the identity is a
+    clear error for both."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_torch import train_selector as ts
+
+    target_dir, out = tiny_data
+    first = tmp_path / "d1"
+    run_train(["--data", str(out), "--out", str(tmp_path / "run"), "--steps", "2", "--layers", "1", "--block-size",
+               "8", "--seqs", "2", "--anchors", "4", "--eval-every", "0", "--export", str(first),
+               "--export-dtype", "float32"])
+    target = loading.load_target(target_dir, torch.device("cpu"), torch.float32)
+    sel = ts.Selector(target.config.hidden_size, target.embed_tokens.weight, 4)
+    sel.reset(3)
+    with torch.no_grad():
+        sel.successor_projection.weight.normal_()  # a selector that is not the argmax's
+    two = ts.export_dflash2(first, sel, tmp_path / "d2", top_k=4, dtype="float32")
+    d1, d2 = load_drafter(first), load_drafter(two)
+    plain = d2.first_format()
+    assert type(plain).__name__ == "DFlashDrafter"
+    want = d1.state_dict()
+    assert plain.state_dict().keys() == want.keys()
+    assert all(torch.equal(v, want[k]) for k, v in plain.state_dict().items())
+
+    # --steps 0: the export is the drafter as it started, in the first format
+    run_train(["--data", str(out), "--out", str(tmp_path / "run2"), "--steps", "0", "--init-from", str(two),
+               "--export", str(tmp_path / "d3"), "--export-dtype", "float32"])
+    config = json.loads((tmp_path / "d3" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert "selector_rank" not in config["dflash_config"] and "conv_kernel_size" not in config["dflash_config"]
+    saved = load_file(str(tmp_path / "d3" / "model.safetensors"))
+    assert saved.keys() == load_file(str(first / "model.safetensors")).keys()
+    assert all(torch.equal(v, want[k]) for k, v in saved.items())
+
+    args = cli.build_parser().parse_args([
+        "train", "--selector", "--init-from", str(two), "--data", str(out), "--out", str(tmp_path / "sel"),
+        "--selector-blocks", "32", "--selector-epochs", "1", "--selector-rank", "8", "--loss-positions", "4",
+        "--export", str(tmp_path / "d4"), "--export-dtype", "float32"])
+    ts.train_selector(args)
+    books = load_file(str(tmp_path / "d4" / "model.safetensors"))
+    assert books["candidate_selector.predecessor_codebook"].shape[1] == 8  # the new selector, not the old rank 4
+    assert type(load_drafter(tmp_path / "d4")).__name__ == "DFlash2Drafter"
+
+    state = load_file(str(two / "model.safetensors"))
+    state["layers.0.mlp_conv.base_kernel"][0, 1] = 0.5  # the previous position now counts
+    bent = tmp_path / "d5"
+    bent.mkdir()
+    save_file(state, str(bent / "model.safetensors"))
+    (bent / "config.json").write_text((two / "config.json").read_text())
+    with pytest.raises(ValueError, match="not the identity"):
+        run_train(["--data", str(out), "--out", str(tmp_path / "run5"), "--steps", "0", "--init-from", str(bent)])
+    args.init_from, args.out = str(bent), str(tmp_path / "sel5")
+    with pytest.raises(ValueError, match="not the identity"):
+        ts.train_selector(args)
+
+
 def test_mapped_features_equal_loaded(tiny_data):
     """The memory-mapped shards give exactly the rows of the features read into RAM, in any order, across
     shard boundaries; rows past the end are an error."""

@@ -94,6 +94,15 @@ def _is_identity(conv: DynamicConv) -> bool:
     return bool((base[:, 0] == 1).all() and (base[:, 1:] == 0).all() and (conv.kernel_projection.weight == 0).all())
 
 
+def first_format_config(config: dict) -> dict:
+    """A DFlash2 drafter's config.json as the first format's: its architecture, without the convolutions' and the
+    selector's settings."""
+    config = {k: v for k, v in config.items() if k not in SETTINGS}
+    config["architectures"] = ["DFlashDraftModel"]
+    config["dflash_config"] = {k: v for k, v in (config.get("dflash_config") or {}).items() if k not in SETTINGS}
+    return config
+
+
 class DFlash2Layer(DraftLayer):
     """A first-format draft layer with a `DynamicConv` around its attention and one around its MLP:
         x, d = attention_conv.prepare(input_layernorm(h));  h = h + attention_conv.finish(attn(x, c), d)
@@ -231,6 +240,23 @@ class DFlash2Drafter(DFlashDrafter):
             plain = all(isinstance(getattr(c.kernel_projection, "weight", None), torch.Tensor) for c in convs)
             self._identity = (version, plain and all(_is_identity(c) for c in convs))
         return super()._flat_plan() if self._identity[1] else None
+
+    def first_format(self) -> DFlashDrafter:
+        """The drafter without its selector, as a first-format drafter that drafts each position's argmax. Only
+        where every convolution computes the identity (a selector trained onto a first-format drafter,
+        `train_selector.py`): then the layers compute exactly the first format's. `dflash train` continues
+        training such a drafter, or trains it a new selector, from this."""
+        convs = [c for layer in self.layers for c in (layer.attention_conv, layer.mlp_conv)]
+        if not all(isinstance(getattr(c.kernel_projection, "weight", None), torch.Tensor) and _is_identity(c)
+                   for c in convs):
+            raise ValueError("this DFlash2 drafter's convolutions are not the identity, so its layers are not the "
+                             "first format's: dflash train can continue only first-format drafters or DFlash2 "
+                             "drafters whose convolutions compute the identity")
+        plain = DFlashDrafter(first_format_config(self.config))
+        plain.load_state_dict({k: v for k, v in self.state_dict().items()
+                               if not k.startswith("candidate_selector.") and "_conv." not in k})
+        plain.set_draft_vocab(self.draft_vocab)
+        return plain
 
     @staticmethod
     def map_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
