@@ -39,6 +39,14 @@ def records(dirs: list[str]) -> tuple[list[list[int]], list[tuple[list[int], int
     return replies, forced
 
 
+def extend(base: Datastore, new: Datastore) -> Datastore:
+    """`base` with `new`'s contexts added; where both keep a context, `new`'s next token."""
+    tables = {n: dict(base.next.get(n, {})) for n in set(base.next) | set(new.next)}
+    for n, table in new.next.items():
+        tables[n].update(table)
+    return Datastore(tables)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True, help="comma-separated data directories")
@@ -47,11 +55,15 @@ def main() -> None:
     ap.add_argument("--max-n", type=int, default=3, help="longest context kept, in tokens (--min-n to 3)")
     ap.add_argument("--min-count", type=int, default=2, help="fewest occurrences of a context to keep it")
     ap.add_argument("--min-share", type=float, default=0.5, help="share of them its next token must have")
+    ap.add_argument("--base", help="a datastore .npz to extend: its contexts are kept, and where the new data keeps "
+                    "one too, the new data's next token replaces its own (for a store whose source data is gone)")
     a = ap.parse_args()
     replies, forced = records(a.data.split(","))
     try:
         store = Datastore.build(replies, forced, min_n=a.min_n, max_n=a.max_n, min_count=a.min_count,
                                 min_share=a.min_share)
+        if a.base:
+            store = extend(Datastore.load(a.base), store)
     except ValueError as e:
         sys.exit(f"build_datastore: {e}")
     store.save(a.out)

@@ -22,6 +22,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=200, help="calls per round and path")
     ap.add_argument("--starts", default="128,1008", help="cached positions before the queries")
+    ap.add_argument("--queries", default="1,4,16", help="query positions T per call")
+    ap.add_argument("--dtypes", default="float16,float32", help="cache dtypes")
     args = ap.parse_args()
     kernels.ensure()
     h, hkv, d = 9, 3, 64
@@ -29,11 +31,11 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, torch {torch.__version__}, cpu capability "
           f"{torch.backends.cpu.get_cpu_capability()}; us per call, median of {args.rounds} rounds")
     print(f"{'cache':>8} {'start':>6} {'T':>3} {'avx2':>9} {'avx512':>9} {'avx512/avx2':>12}")
-    for dtype in (torch.float16, torch.float32):
+    for dtype in (getattr(torch, x) for x in args.dtypes.split(",")):
         for start in (int(x) for x in args.starts.split(",")):
             k = torch.randn(hkv, start + 32, d, generator=gen).to(dtype)
             v = torch.randn(hkv, start + 32, d, generator=gen).to(dtype)
-            for t in (1, 4, 16):
+            for t in (int(x) for x in args.queries.split(",")):
                 q = torch.randn(t, h, d, generator=gen)
                 calls = {isa: (lambda isa=isa, q=q, k=k, v=v, start=start: torch.ops.dflash.causal_attention(
                     q, k, v, start, d**-0.5, isa)) for isa in (1, 2)}
