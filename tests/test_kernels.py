@@ -48,9 +48,9 @@ def test_compiled_paths_equal_reference(fmt):
             x[-1, 32:64] = torch.arange(32) - 15.5  # exact ties x * (1/d) = k + 0.5 appear here
         p = pack.pack(pack.quantize(w, fmt), fmt)
         want = reference.block_mm(x, p, code, n)
-        for isa in _isas():
+        for isa in [*_isas(), -1]:  # -1: the path the dispatch picks for these rows
             got = kernels.block_mm(x, p, code, n, isa)
-            assert torch.equal(got, want), (fmt, m, n, k, kernels.ISAS[isa], (got - want).abs().max())
+            assert torch.equal(got, want), (fmt, m, n, k, isa, (got - want).abs().max())
 
 
 def test_q8_0_extreme_quants():
@@ -210,6 +210,35 @@ def test_without_the_extension_the_reference_serves(tmp_path):
     assert len(out["warnings"]) == 1 and "C++ block kernels are not available" in out["warnings"][0]
     assert torch.equal(out["y"], kernels.block_mm(x, p, 1, 12))
     assert torch.equal(out["z"], reference.block_mm(reference.rms_norm(x, nw, 1e-6), p, 1, 12))
+
+
+@pytest.mark.parametrize("min_rows,vnni256", [("0", "1"), ("9", "1"), ("9", "0")])
+def test_the_row_count_dispatch_keeps_the_bits(tmp_path, min_rows, vnni256):
+    """DFLASH_VNNI_MIN_ROWS moves the row count below which a VNNI CPU runs the AVX2 path's layout on 256-bit
+    dpbusd (AMD Zen 4 by default), DFLASH_VNNI256=0 runs those rows on AVX2's maddubs instead: 0 keeps the
+    512-bit path everywhere, 9 sends 1-8 rows to the narrow path. Every row count gives the reference's bits
+    (on CPUs without VNNI the variables change nothing)."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(10, 96, generator=gen)
+    ws = {fmt: pack.pack(pack.quantize(torch.randn(40, 96, generator=gen), fmt), fmt) for fmt in pack.FORMATS}
+    torch.save({"x": x, "ws": ws}, tmp_path / "in.pt")
+    code = (
+        "import sys, torch\n"
+        "from dflash_torch import kernels\n"
+        "from dflash_torch.kernels import pack\n"
+        "kernels.ensure()\n"
+        "d = torch.load(sys.argv[1])\n"
+        "out = {(f, m): torch.ops.dflash.block_mm(d['x'][:m], w, pack.FORMATS.index(f), 40, -1)\n"
+        "       for f, w in d['ws'].items() for m in range(1, 11)}\n"
+        "torch.save(out, sys.argv[2])\n"
+    )
+    env = dict(os.environ, DFLASH_VNNI_MIN_ROWS=min_rows, DFLASH_VNNI256=vnni256)
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
+                   cwd=ROOT, check=True, timeout=300)
+    out = torch.load(tmp_path / "out.pt")
+    for (fmt, m), y in out.items():
+        want = reference.block_mm(x[:m], ws[fmt], pack.FORMATS.index(fmt), 40)
+        assert torch.equal(y, want), (fmt, m, min_rows, vnni256)
 
 
 def test_auto_picks_the_files_own_blocks():

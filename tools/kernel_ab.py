@@ -7,8 +7,9 @@ give the same bits (checked on every cell).
     python tools/kernel_ab.py REV [--threads 2] [--formats q4_0,q4_1,q8_0] [--rows 1,4,8,16]
                               [--isa -1] [--new-isa -1] [--mb 24] [--shapes qkv,o] [--json FILE]
 
---isa picks the instruction set of the old build (-1: its own choice per call; 2 vnni, 3 amx), --new-isa
-that of the new one (default: the same), e.g. `--isa 2 --new-isa 3` times VNNI against AMX.
+--isa picks the instruction set of the old build (-1: its own choice per call; 1 avx2, 2 vnni, 3 amx), --new-isa
+that of the new one (default: the same), e.g. `--isa 2 --new-isa 3` times VNNI against AMX. REV `.` times the
+working tree's build against itself: `python tools/kernel_ab.py . --isa 1 --new-isa 2` is AVX2 against VNNI.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _old_sources(rev: str) -> dict[str, str]:
     if rev.endswith(".cpp"):
         return {"blocks.cpp": Path(rev).read_text()}
     out = {}
-    for name in ("blocks.cpp", "blocks_avx512.cpp", "blocks.h"):
+    for name in ("blocks.cpp", "blocks_avx512.cpp", "blocks.h", "norm.cpp"):
         try:
             out[name] = subprocess.check_output(["git", "show", f"{rev}:dflash_torch/kernels/{name}"], cwd=ROOT,
                                                 stderr=subprocess.DEVNULL).decode()
@@ -57,7 +58,9 @@ def build_old(rev: str) -> object:
     build = cache_home() / "kernels" / "ab" / tag
     build.mkdir(parents=True, exist_ok=True)
     for file, src in srcs.items():
-        src = src.replace("TORCH_LIBRARY(dflash,", f"TORCH_LIBRARY({name},").replace("dflash_blocks", name)
+        src = (src.replace("TORCH_LIBRARY(dflash,", f"TORCH_LIBRARY({name},")
+               .replace("TORCH_LIBRARY_FRAGMENT(dflash,", f"TORCH_LIBRARY_FRAGMENT({name},")
+               .replace("dflash_blocks", name).replace("dflash_norm", f"{name}_norm"))
         (build / file).write_text(src)
     cpp_extension.load(name=name, sources=[str(build / f) for f in srcs if f.endswith(".cpp")],
                        build_directory=str(build), extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
@@ -67,7 +70,7 @@ def build_old(rev: str) -> object:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("rev", help="git revision of the old kernels (or a blocks.cpp file)")
+    ap.add_argument("rev", help="git revision of the old kernels (or a blocks.cpp file; `.`: the working tree's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--formats", default="q4_0,q4_1,q8_0")
     ap.add_argument("--rows", default="1,4,8,16")
@@ -80,9 +83,9 @@ def main() -> int:
     from dflash_torch import kernels
     from dflash_torch.kernels import pack
 
-    old = build_old(args.rev)
     kernels.ensure()
     new = torch.ops.dflash.block_mm
+    old = new if args.rev == "." else build_old(args.rev)
     torch.set_num_threads(args.threads)
     isa_old, isa_new = args.isa, args.isa if args.new_isa is None else args.new_isa
     gen = torch.Generator().manual_seed(0)

@@ -381,6 +381,45 @@ int64_t avx2_tile_rows() {
   return forced >= 0 ? forced : 8;
 }
 
+// AMD Zen 4 (family 0x19 with AVX-512) runs each 512-bit instruction as two 256-bit halves. There the
+// 512-bit VNNI path's per-block work (two column groups' loads and lane inserts, 16 columns a vector) made a
+// decode step's matmuls about a quarter slower than the AVX2 path's, while VNNI's dpbusd takes fewer
+// instructions per row than AVX2's maddubs chains. So below vnni_min_rows() rows such a CPU runs the AVX2
+// path's layout with 256-bit dpbusd (rows_vnni256 in blocks_avx512.cpp): a decode step as fast as the AVX2
+// path's, and 2-5 rows cheaper than either path; from 6 rows the 512-bit path is as fast or faster
+// (docs/performance.md, "Few rows on 256-bit VNNI (AMD Zen 4)"). Every path gives the same bits, so only speed
+// changes. DFLASH_VNNI_MIN_ROWS=N overrides the row count (0: the 512-bit path at every row count), and
+// DFLASH_VNNI256=0 runs those rows on the AVX2 path's maddubs instead, both for measuring.
+bool zen4() {
+#ifdef DFLASH_X86
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541u || d != 0x69746e65u || c != 0x444d4163u)  // AuthenticAMD
+    return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+  const unsigned base = (a >> 8) & 0xf, family = base == 0xf ? base + ((a >> 20) & 0xff) : base;
+  return family == 0x19;  // Zen 3 (no AVX-512, never on the VNNI path) and Zen 4
+#else
+  return false;
+#endif
+}
+
+bool vnni256() {
+  static const bool on = [] {
+    const char* v = std::getenv("DFLASH_VNNI256");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
+int64_t vnni_min_rows() {
+  static const int64_t rows = [] {
+    const char* v = std::getenv("DFLASH_VNNI_MIN_ROWS");
+    if (v && *v) return std::max<int64_t>(0, std::atoll(v));
+    return zen4() ? (int64_t)6 : (int64_t)0;
+  }();
+  return rows;
+}
+
 int64_t detect_isa() {
 #ifdef DFLASH_X86
   // ATEN_CPU_CAPABILITY caps PyTorch's own kernels (avx2, default = no vectors); it caps ours alike, so
@@ -449,6 +488,8 @@ void mm_setup(MmCall& c, MmScratch& scratch, int64_t fmt, int64_t isa, bool aske
   // AMX where asked for, or where it is the best path and the rows fill enough of a tile; else VNNI
   const bool amx = isa == AMX && (asked || m >= amx_min_rows());
   if (isa == AMX && !amx) isa = VNNI;
+  const bool narrow = isa == VNNI && !asked && m < vnni_min_rows();  // a few rows on Zen 4
+  if (narrow) isa = AVX2;  // the AVX2 path's layout and activations, its sums by 256-bit dpbusd
   const int64_t mpad = amx && m > 16 ? (m + 15) / 16 * 16 : m;  // AMX reads whole 16-row tiles past 16 rows
   scratch.q.resize(mpad * k);
   std::memset(scratch.q.data() + m * k, 0, (mpad - m) * k);
@@ -461,7 +502,7 @@ void mm_setup(MmCall& c, MmScratch& scratch, int64_t fmt, int64_t isa, bool aske
   if (start_q4_0) scratch.s8.resize(m * nb);
   const int64_t groups = (n + GROUP - 1) / GROUP;
   const bool wide = amx || isa == VNNI;
-  c = MmCall{fmt, isa, amx, wide, m, n, k, nb, groups, nb * group_bytes(fmt), wide ? (groups + 1) / 2 : groups,
+  c = MmCall{fmt, isa, amx, wide, narrow && vnni256(), m, n, k, nb, groups, nb * group_bytes(fmt), wide ? (groups + 1) / 2 : groups,
              wp, x, norm_w, eps, y, res,
              scratch.q.data(), scratch.d.data(), scratch.ds.data(), scratch.s.data(),
              start_q4_0 ? scratch.s8.data() : nullptr, unsigned_q8 ? scratch.u.data() : nullptr};
@@ -515,7 +556,9 @@ void mm_columns(const MmCall& c, int64_t u0, int64_t u1) {
       std::memset(acc, 0, sizeof(float) * (t1 - t0) * GROUP);
       const uint8_t* wg = c.wp + g * c.gstride;
 #ifdef DFLASH_X86
-      if (c.isa == AVX2 && t1 - t0 <= avx2_tile_rows())
+      if (c.narrow)
+        rows_vnni256(fmt, wg, nb, rows, t0, t1, acc);
+      else if (c.isa == AVX2 && t1 - t0 <= avx2_tile_rows())
         rows_avx2(fmt, wg, nb, rows, t0, t1, acc);
       else if (c.isa == AVX2)
         tile_avx2(fmt, wg, nb, rows, t0, t1, acc);

@@ -78,6 +78,8 @@ inline void prefetch_ahead(const uint8_t* rec, int64_t gb) {  // the record PF b
 #ifdef DFLASH_X86
 void columns_vnni(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t groups, int64_t nb, const Rows& x,
                   int64_t m, int64_t p0, int64_t p1, float* y, int64_t n, const float* res);
+// one 8-column group's sums for rows [r0, r1) into acc [r1 - r0, GROUP], VNNI on 256-bit registers
+void rows_vnni256(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc);
 #endif
 #ifdef DFLASH_AMX
 void columns_amx(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t groups, int64_t nb, const Rows& x,
@@ -100,7 +102,7 @@ struct MmScratch {  // the activations' quants and scales, reused across calls
 
 struct MmCall {
   int64_t fmt, isa;
-  bool amx, wide;
+  bool amx, wide, narrow;  // narrow: a few rows of a VNNI CPU on 256-bit registers (rows_vnni256)
   int64_t m, n, k, nb, groups, gstride, units;
   const uint8_t* wp;
   const float* x;       // [m, k] float32

@@ -90,6 +90,81 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
 }
 #undef DFLASH_PAIR
 
+// ---- VNNI on 256-bit registers: the AVX2 path's layout, its 8 columns a vector and its float step, with
+// the block sums by dpbusd instead of maddubs chains. For a few rows on a CPU that runs 512-bit
+// instructions as two halves (AMD Zen 4, `vnni_min_rows` in blocks.cpp): one weight stream and the
+// AVX2 path's per-block work, fewer instructions per row. Q8_0 keeps the AVX2 path's sign trick
+// (|w| unsigned times sign(w) * x), so the sums are the same exact integers as every other path's.
+template <int64_t fmt, int R>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) void vnni256_rows(
+    const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, float* out) {
+  const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  __m256 acc[R];
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* rec = w + b * gb;
+    prefetch_ahead(rec, gb);
+    const uint8_t* qs = rec + qoff;
+    __m256i e[R], o[R];  // two chains of exact integer sums per row (one chain's latency shows)
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; r++) e[r] = o[r] = _mm256_setzero_si256();
+    if (fmt == Q8_0) {
+      #pragma GCC unroll 8
+      for (int j = 0; j < 8; j++) {
+        const __m256i wj = _mm256_loadu_si256((const __m256i*)(qs + 32 * j)), aw = _mm256_abs_epi8(wj);
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+          const int32_t* x4 = (const int32_t*)(x.q + (r0 + r) * x.k + b * QK);
+          const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), wj);
+          if (j % 2 == 0) e[r] = _mm256_dpbusd_epi32(e[r], aw, xv);
+          else o[r] = _mm256_dpbusd_epi32(o[r], aw, xv);
+        }
+      }
+    } else {
+      #pragma GCC unroll 4
+      for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+          const int32_t* x4 = (const int32_t*)(x.q + (r0 + r) * x.k + b * QK);
+          e[r] = _mm256_dpbusd_epi32(e[r], lo, _mm256_set1_epi32(x4[j]));
+          o[r] = _mm256_dpbusd_epi32(o[r], hi, _mm256_set1_epi32(x4[j + 4]));
+        }
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));
+    const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16))) : _mm256_setzero_ps();
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {  // the AVX2 path's float step, operation for operation
+      const int64_t at = (r0 + r) * x.nb + b;
+      __m256i isum = _mm256_add_epi32(e[r], o[r]);
+      if (fmt == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_set1_epi32(x.s[at]), 3));
+      const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(x.d[at]), dw);
+      acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dd));
+      if (fmt == Q4_1) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mw, _mm256_set1_ps(x.ds[at])));
+    }
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; r++) _mm256_storeu_ps(out + GROUP * r, acc[r]);
+}
+
+template <int64_t fmt>
+void rows_vnni256_t(const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
+  for (int64_t r = r0; r < r1; r += 8) {  // acc [r1 - r0, GROUP]; 8 rows' sums and a block's weights fit 32 ymm
+    float* out = acc + (r - r0) * GROUP;
+    switch (std::min<int64_t>(8, r1 - r)) {
+#define DFLASH_V256_CASE(R) \
+  case R: vnni256_rows<fmt, R>(w, nb, x, r, out); break;
+      DFLASH_V256_CASE(1) DFLASH_V256_CASE(2) DFLASH_V256_CASE(3) DFLASH_V256_CASE(4)
+      DFLASH_V256_CASE(5) DFLASH_V256_CASE(6) DFLASH_V256_CASE(7) DFLASH_V256_CASE(8)
+#undef DFLASH_V256_CASE
+    }
+  }
+}
+
 template <int64_t fmt>
 void columns_vnni_t(const uint8_t* wp, int64_t gstride, int64_t groups, int64_t nb, const Rows& x, int64_t m,
                     int64_t p0, int64_t p1, float* y, int64_t n, const float* res) {
@@ -299,6 +374,12 @@ void columns_vnni(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t group
   if (fmt == Q4_0) columns_vnni_t<Q4_0>(wp, gstride, groups, nb, x, m, p0, p1, y, n, res);
   else if (fmt == Q4_1) columns_vnni_t<Q4_1>(wp, gstride, groups, nb, x, m, p0, p1, y, n, res);
   else columns_vnni_t<Q8_0>(wp, gstride, groups, nb, x, m, p0, p1, y, n, res);
+}
+
+void rows_vnni256(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
+  if (fmt == Q4_0) rows_vnni256_t<Q4_0>(w, nb, x, r0, r1, acc);
+  else if (fmt == Q4_1) rows_vnni256_t<Q4_1>(w, nb, x, r0, r1, acc);
+  else rows_vnni256_t<Q8_0>(w, nb, x, r0, r1, acc);
 }
 
 #ifdef DFLASH_AMX
