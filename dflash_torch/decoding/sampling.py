@@ -57,9 +57,13 @@ class TokenLogprobs:
         self.entries += list(zip(chosen, ids, values))
 
 
-def accept_greedy(draft: torch.Tensor, target_choice: torch.Tensor) -> int:
-    """Length of the longest prefix where draft [K] equals the target's argmax [K]."""
-    return int((draft == target_choice).int().cumprod(0).sum())
+def accept_greedy(draft: list[int], target_choice: list[int]) -> int:
+    """Length of the longest prefix where draft [K] equals the target's argmax [K] (as lists: a verify pass
+    compares a few tokens, where each tensor operation costs more than the comparison)."""
+    k = 0
+    while k < len(draft) and draft[k] == target_choice[k]:
+        k += 1
+    return k
 
 
 @dataclass
@@ -185,9 +189,9 @@ class Sampler:
         """(number of draft tokens kept, the target's next token) for draft [K] and the target's
         logits [K + 1, V] at the block positions."""
         if self.greedy:
-            choice = kernels.argmax(target_logits)
-            accepted = accept_greedy(draft, choice[:-1])
-            return accepted, int(choice[accepted])
+            choice = kernels.argmax(target_logits).tolist()
+            accepted = accept_greedy(draft.tolist(), choice)
+            return accepted, choice[accepted]
         p = self.probs(target_logits)  # [K + 1, V]
         k = draft.shape[0]
         if k == 0:
