@@ -271,9 +271,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from . import kernels
 
     backend = kernels.ensure()  # flat.script above built or loaded them
+    narrow = kernels.narrow_rows() if backend == "compiled" else 0
     print("block kernels (q4_0 / q4_1 / q8_0, exact verification): "
           + (f"compiled, {kernels.best_isa()} on this CPU" if backend == "compiled"
-             else "PyTorch reference (no C++ compiler found; --quantize auto uses int4/int8)"))
+             else "PyTorch reference (no C++ compiler found; --quantize auto uses int4/int8)")
+          + (f" (1-{narrow - 1} rows on 256-bit VNNI)" if narrow > 1 else ""))
     try:
         print(f"default model GGUF: {loading.default_gguf()}")
     except loading.ModelError as e:

@@ -452,6 +452,8 @@ def test_doctor_lists_the_install(capsys):
 
     said = ("compiled, " + kernels.best_isa() if kernels.ensure() == "compiled" else "PyTorch reference")
     assert f"block kernels (q4_0 / q4_1 / q8_0, exact verification): {said}" in out
+    narrow = kernels.narrow_rows()  # fewer rows than this on 256-bit VNNI (AMD Zen 4), else 0
+    assert (f"(1-{narrow - 1} rows on 256-bit VNNI)" in out) == (narrow > 1)
     assert "default model weights, MLP down: Q4_1 -> " in out  # stored -> what --quantize auto runs
 
 

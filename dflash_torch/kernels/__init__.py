@@ -82,6 +82,8 @@ def _register_reference() -> None:
     lib.impl("block_mm_norm", lambda x, w, eps, p, fmt, n, isa=-1: reference.block_mm(
         reference.rms_norm(x, w, eps), p, fmt, n), "CPU")
     lib.impl("best_isa", lambda: -1, "CompositeExplicitAutograd")
+    lib.define("narrow_rows() -> int")
+    lib.impl("narrow_rows", lambda: 0, "CompositeExplicitAutograd")
     lib.define("causal_attention(Tensor q, Tensor k, Tensor v, int start, float scale, int isa=-1) -> Tensor")
     lib.impl("causal_attention", reference.causal_attention, "CPU")
     lib.define("rope_attention(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) k, Tensor(b!) v, int start, "
@@ -135,6 +137,13 @@ def best_isa() -> str:
     ensure()
     code = int(torch.ops.dflash.best_isa())
     return ISAS[code] if code >= 0 else "reference"
+
+
+def narrow_rows() -> int:
+    """Matmuls of fewer rows than this run on 256-bit VNNI instead of the 512-bit path (AMD Zen 4, where it is
+    faster for a few rows; blocks.cpp, `vnni_min_rows`); 0 where no matmul does."""
+    ensure()
+    return int(torch.ops.dflash.narrow_rows())
 
 
 def block_mm(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, isa: int = -1) -> torch.Tensor:

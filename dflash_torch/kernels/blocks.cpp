@@ -661,6 +661,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_act(const torch
 
 int64_t isa_available() { return best_isa(); }
 
+// matmuls of fewer rows than this take the 256-bit VNNI rows (0: none on this CPU)
+int64_t narrow_rows_below() { return best_isa() >= VNNI ? vnni_min_rows() : 0; }
+
 }  // namespace
 
 TORCH_LIBRARY(dflash, m) {
@@ -669,6 +672,7 @@ TORCH_LIBRARY(dflash, m) {
   m.def("block_mm_norm(Tensor x, Tensor norm_w, float eps, Tensor packed, int fmt, int n, int isa=-1) -> Tensor");
   m.def("quantize_act(Tensor x, int isa=-1) -> (Tensor, Tensor, Tensor)");
   m.def("best_isa", &isa_available);
+  m.def("narrow_rows", &narrow_rows_below);
   m.impl("block_mm", torch::kCPU, &block_mm);
   m.impl("block_mm_add", torch::kCPU, &block_mm_add);
   m.impl("block_mm_norm", torch::kCPU, &block_mm_norm);
