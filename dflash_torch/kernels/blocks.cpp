@@ -320,13 +320,7 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_rows(const uint8_t* w, int64_
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));
     const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16))) : _mm256_setzero_ps();
     #pragma GCC unroll 16
-    for (int r = 0; r < R; r++) {
-      const int64_t at = (r0 + r) * x.nb + b;
-      if (fmt == Q4_0) isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_set1_epi32(x.s[at]), 3));
-      const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(x.d[at]), dw);
-      acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(isum[r]), dd));
-      if (fmt == Q4_1) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mw, _mm256_set1_ps(x.ds[at])));
-    }
+    for (int r = 0; r < R; r++) acc[r] = float_step8<fmt>(acc[r], isum[r], dw, mw, x, (r0 + r) * x.nb + b);
   }
   #pragma GCC unroll 16
   for (int r = 0; r < R; r++) _mm256_storeu_ps(out + GROUP * r, acc[r]);
