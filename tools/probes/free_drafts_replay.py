@@ -51,11 +51,15 @@ def make_replies(path: Path, first: int, limit: int, tokens: int) -> list[dict]:
 
 def parse_costs(spec: str) -> dict[int, float]:
     """`dflash profile --json` output (decode steps from its seconds) or `W:steps,...` (1 must be there)."""
-    if Path(spec).is_file():
-        r = json.loads(Path(spec).read_text())
-        costs = {1: 1.0, **{int(w): s / r["decode_s"] for w, s in r["verify_s"].items()}}
-    else:
-        costs = {int(w): float(s) for w, s in (x.split(":") for x in spec.split(","))}
+    try:
+        if Path(spec).is_file():
+            r = json.loads(Path(spec).read_text())
+            costs = {1: 1.0, **{int(w): s / r["decode_s"] for w, s in r["verify_s"].items()}}
+        else:
+            costs = {int(w): float(s) for w, s in (x.split(":") for x in spec.split(","))}
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"free_drafts_replay: --costs {spec!r}: neither W:steps,... nor `dflash profile --json` "
+                         f"output ({e})") from None
     if 1 not in costs:
         raise SystemExit("free_drafts_replay: the costs need width 1 (a plain step)")
     return costs
@@ -131,7 +135,10 @@ def main() -> None:
         a.store = ["none", str(SHIPPED / "smollm2-135m-instruct" / "datastore.npz")]
     print(f"{len(replies)} replies; verify costs in decode steps {costs}")
     for spec in a.store:
-        store = None if spec == "none" else Datastore.load(spec)
+        try:
+            store = None if spec == "none" else Datastore.load(spec)
+        except ValueError as e:
+            raise SystemExit(f"free_drafts_replay: {e}") from None
         rs = [replay(store, r["prompt"], r["reply"], costs) for r in replies]
         speed = [r["tokens"] / r["steps"] for r in rs]
         per_pass = sum(r["tokens"] for r in rs) / sum(r["passes"] for r in rs)

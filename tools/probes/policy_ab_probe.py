@@ -40,7 +40,7 @@ def controller(name: str, p, arm: dict):
         return WithFallback(FallbackController(carried=arm.get("carry")), arm["adaptive"])
     if name == "adaptive":
         return arm["adaptive"]
-    if name.startswith("fixed"):
+    if name.startswith("fixed") and name[5:].isdigit() and int(name[5:]) >= 1:
         return Fixed(int(name[5:]))
     if name == "nodrafter":
         return Fixed(1)
@@ -56,8 +56,12 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
-    p = load(draft="auto", quantize="auto", quiet=True)
     names = a.arms.split(",")
+    bad = [n for n in names if n not in ("defaults", "adaptive", "nodrafter")
+           and not (n.startswith("fixed") and n[5:].isdigit() and int(n[5:]) >= 1)]
+    if bad:
+        raise SystemExit(f"policy_ab_probe: unknown arm(s) {', '.join(bad)}: defaults, adaptive, fixedN, nodrafter")
+    p = load(draft="auto", quantize="auto", quiet=True)
     arms = {n: {"adaptive": AdaptiveBlockSize(dict(calibrated(p)), p.drafter.block_size), "carry": None,
                 "costs": {}, "ratios": []} for n in names}
     equal, k = True, 0
