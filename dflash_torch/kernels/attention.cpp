@@ -511,7 +511,7 @@ DecodePlan decode_plan(const DecodeCache& c, int64_t start, int64_t h) {
 #ifdef DFLASH_X86
   // where causal_attention splits a decode step by keys (a float16 cache on the AVX-512 path, from 512 keys)
   thread_local std::vector<float> scores, z;  // the calling thread's, zeroed as decode_split's
-  if (c.half && attention_isa() == 2 && start + 1 >= 512 && split_tasks(c.d, start + 1, h, c.hkv, p.tasks, p.stride)) {
+  if (c.half && attention_isa() == 2 && start + 1 >= 512 && split_tasks(c.d, start + 1, 1, h, c.hkv, p.tasks, p.stride)) {
     scores.assign(h * p.stride, 0.f), z.assign(h, 0.f);
     p.steps = 3, p.scores = scores.data(), p.z = z.data();
   }
@@ -537,13 +537,30 @@ RowsPlan rows_plan(const DecodeCache& c, int64_t start, int64_t t, int64_t h, in
   const int64_t pos = tile_positions(t, std::max<int64_t>(1, 32 / hc), hkv * chunks, threads);
   int64_t isa = attention_isa();
   void* tile = c.half ? (void*)pick_tile<at::Half>(isa, hc, pos, t, start, d) : (void*)pick_tile<float>(isa, hc, pos, t, start, d);
-  // where causal_attention takes another path (the scalar loop, or the split by keys): none here
-  if (tile == nullptr || (c.half && isa == 2 && start + t >= 512 && t <= 8)) return r;
-  r.ok = true;
+  if (tile == nullptr) return r;  // causal_attention's scalar loop: not here
+  r.t = t, r.h = h;
+#ifdef DFLASH_X86
+  // causal_attention's split by keys (up to 8 positions from 512 keys on a float16 cache): its three steps
+  if (c.half && isa == 2 && start + t >= 512 && t <= 8 && split_tasks(d, start + 1, t, h, hkv, r.split, r.sstride)) {
+    r.ok = true, r.steps = 3;
+    return r;
+  }
+#endif
+  r.ok = true, r.steps = 1;
   r.tile = tile;
-  r.t = t, r.h = h, r.group = group, r.hc = hc, r.chunks = chunks, r.pos = pos;
+  r.group = group, r.hc = hc, r.chunks = chunks, r.pos = pos;
   r.nt = (t + pos - 1) / pos, r.per = hkv * chunks, r.stride = start + t + 16, r.tasks = r.nt * r.per;
   return r;
+}
+
+void rows_split_step(const RowsPlan& r, int step, int64_t i0, int64_t i1, const float* q, const DecodeCache& c,
+                     int64_t start, double scale, float* scores, float* z, float* out) {
+#ifdef DFLASH_X86
+  split_step_half(step, i0, i1, q, static_cast<const at::Half*>(c.k), c.ks, c.khs, static_cast<const at::Half*>(c.v),
+                  c.vs, c.vhs, start + 1, r.t, r.h, c.hkv, c.d, (float)scale, scores, r.sstride, z, out);
+#else
+  (void)r, (void)step, (void)i0, (void)i1, (void)q, (void)c, (void)start, (void)scale, (void)scores, (void)z, (void)out;
+#endif
 }
 
 void rows_attend(const RowsPlan& r, int64_t i0, int64_t i1, const float* q, const DecodeCache& c, int64_t start,
@@ -565,7 +582,7 @@ void decode_step(const DecodePlan& p, int step, int64_t i0, int64_t i1, const fl
   if (p.steps == 1) return decode_attend(q, c, start, h, scale, i0, i1, out);
 #ifdef DFLASH_X86
   split_step_half(step, i0, i1, q, static_cast<const at::Half*>(c.k), c.ks, c.khs, static_cast<const at::Half*>(c.v),
-                  c.vs, c.vhs, start + 1, h, c.hkv, c.d, (float)scale, p.scores, p.stride, p.z, out);
+                  c.vs, c.vhs, start + 1, 1, h, c.hkv, c.d, (float)scale, p.scores, p.stride, p.z, out);
 #endif
 }
 

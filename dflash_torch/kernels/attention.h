@@ -95,14 +95,14 @@ using Tile = void (*)(const float* const*, const int64_t*, int, const KV*, int64
 template <typename KV>
 Tile<KV> tile_avx512_for(int64_t d);
 Tile<at::Half> tile_pairs_half(int64_t d);
-// decode_split_half's three steps for one position (scores by kv head and block of keys, the softmax by
-// query head, the output sums by kv head and dimensions), for a caller that splits each step's tasks over its
-// own threads with a barrier between steps: split_tasks gives the counts and the scores' row stride (false
-// where d has no such path); scores [h, stride] zeroed and z [h] are the caller's
-bool split_tasks(int64_t d, int64_t n, int64_t h, int64_t hkv, int64_t* tasks, int64_t& stride);
+// decode_split_half's three steps for t positions (scores by kv head and block of keys, the softmax by query
+// head and position, the output sums by kv head and dimensions), for a caller that splits each step's tasks over
+// its own threads with a barrier between steps: split_tasks gives the counts and the scores' row stride (false
+// where d has no such path); scores [t h, stride] and z [t h] are the caller's. Position p attends to n + p keys.
+bool split_tasks(int64_t d, int64_t n, int64_t t, int64_t h, int64_t hkv, int64_t* tasks, int64_t& stride);
 void split_step_half(int step, int64_t i0, int64_t i1, const float* q, const at::Half* k, int64_t ks, int64_t khs,
-                     const at::Half* v, int64_t vs, int64_t vhs, int64_t n, int64_t h, int64_t hkv, int64_t d,
-                     float scale, float* scores, int64_t stride, float* z, float* out);
+                     const at::Half* v, int64_t vs, int64_t vhs, int64_t n, int64_t t, int64_t h, int64_t hkv,
+                     int64_t d, float scale, float* scores, int64_t stride, float* z, float* out);
 // the attention of t query positions (q [t, H, D]; position p attends to n + p keys) over a float16 cache,
 // split evenly over the threads (scores by keys, output sums by dimensions); false where d has no such path
 bool decode_split_half(const float* q, const at::Half* k, int64_t ks, int64_t khs, const at::Half* v, int64_t vs,
@@ -137,20 +137,25 @@ void decode_step(const DecodePlan& p, int step, int64_t i0, int64_t i1, const fl
                  int64_t start, int64_t h, double scale, float* out);
 
 // A verify pass's attention in parts (layers.cpp's region for several rows): rows_rotate (rows [i0, i1) of qkv
-// [T, (H + 2 Hkv) D] rotated: q [T, H, D] out, keys and values written at positions start + i), then rows_attend
-// on each thread's share of rows_plan's tasks into out [T, H * D]: rope_attention's bits. ok is false where
-// causal_attention would take a path that is not tiles by kv heads and positions (the scalar loop, the split
-// by keys of a float16 cache from 512 keys); threads: as causal_attention counts them (only the split of the
-// work depends on it).
+// [T, (H + 2 Hkv) D] rotated: q [T, H, D] out, keys and values written at positions start + i), then the path
+// causal_attention takes, in steps (a barrier after each): steps 1, rows_attend on each thread's share of the
+// tiles (by kv heads and positions); steps 3, rows_split_step on each thread's share of split[step] tasks (the
+// split by keys of a float16 cache, up to 8 positions from 512 keys: scores [t h, sstride] and z [t h] the
+// caller's). Either way rope_attention's bits. ok is false where causal_attention would run its scalar loop;
+// threads: as causal_attention counts them (only the split of the work depends on it).
 struct RowsPlan {
   bool ok;
+  int steps;
   void* tile;  // the Tile<KV> of the cache's type
   int64_t t, h, group, hc, chunks, pos, nt, per, stride, tasks;
+  int64_t split[3], sstride;
 };
 void rows_rotate(const float* qkv, const float* cos, const float* ssin, float* q, const DecodeCache& c,
                  int64_t start, int64_t h, int64_t i0, int64_t i1);
 RowsPlan rows_plan(const DecodeCache& c, int64_t start, int64_t t, int64_t h, int64_t threads);
 void rows_attend(const RowsPlan& p, int64_t i0, int64_t i1, const float* q, const DecodeCache& c, int64_t start,
                  double scale, float* out);
+void rows_split_step(const RowsPlan& p, int step, int64_t i0, int64_t i1, const float* q, const DecodeCache& c,
+                     int64_t start, double scale, float* scores, float* z, float* out);
 
 }  // namespace dflash_attention

@@ -437,31 +437,31 @@ bool decode_split_half(const float* q, const at::Half* k, int64_t ks, int64_t kh
 }
 
 // decode_split's three steps for a caller that runs them on its own threads: tasks [i0, i1) of step 0 (the
-// scores), 1 (the softmax, into z) or 2 (the output sums); split_tasks: each step's task count
+// scores), 1 (the softmax, into z) or 2 (the output sums) for t positions; split_tasks: each step's task count
 template <int dv>
 void split_step(int step, int64_t i0, int64_t i1, const float* q, const at::Half* k, int64_t ks, int64_t khs,
-                const at::Half* v, int64_t vs, int64_t vhs, int64_t n, int64_t h, int64_t hkv, float scale,
+                const at::Half* v, int64_t vs, int64_t vhs, int64_t n, int64_t t, int64_t h, int64_t hkv, float scale,
                 float* scores, int64_t stride, float* z, float* out) {
   const int64_t group = h / hkv;
-  if (step == 0) split_scores<dv>(i0, i1, q, k, ks, khs, n, 1, h, group, scale, scores, stride);
+  if (step == 0) split_scores<dv>(i0, i1, q, k, ks, khs, n, t, h, group, scale, scores, stride);
   else if (step == 1)
     for (int64_t r = i0; r < i1; r++) z[r] = softmax_avx512(scores + r * stride, n + r / h);
-  else split_values<dv>(i0, i1, v, vs, vhs, n, 1, h, group, scores, stride, z, out);
+  else split_values<dv>(i0, i1, v, vs, vhs, n, t, h, group, scores, stride, z, out);
 }
 
-bool split_tasks(int64_t d, int64_t n, int64_t h, int64_t hkv, int64_t* tasks, int64_t& stride) {
+bool split_tasks(int64_t d, int64_t n, int64_t t, int64_t h, int64_t hkv, int64_t* tasks, int64_t& stride) {
   const int64_t dv = d / 8;
   if (d != 64 && d != 128 && d != 32 && d != 16 && d != 96) return false;
-  const int64_t blocks = (n + KB - 1) / KB;  // one position: n keys
+  const int64_t blocks = (n + t - 1 + KB - 1) / KB;  // the last position: n + t - 1 keys
   stride = blocks * KB + 16;
-  tasks[0] = hkv * blocks, tasks[1] = h, tasks[2] = hkv * (dv % 4 == 0 ? dv / 4 : dv / 2);
+  tasks[0] = hkv * blocks, tasks[1] = t * h, tasks[2] = hkv * (dv % 4 == 0 ? dv / 4 : dv / 2);
   return true;
 }
 
 void split_step_half(int step, int64_t i0, int64_t i1, const float* q, const at::Half* k, int64_t ks, int64_t khs,
-                     const at::Half* v, int64_t vs, int64_t vhs, int64_t n, int64_t h, int64_t hkv, int64_t d,
-                     float scale, float* scores, int64_t stride, float* z, float* out) {
-  auto run = [&](auto fn) { fn(step, i0, i1, q, k, ks, khs, v, vs, vhs, n, h, hkv, scale, scores, stride, z, out); };
+                     const at::Half* v, int64_t vs, int64_t vhs, int64_t n, int64_t t, int64_t h, int64_t hkv,
+                     int64_t d, float scale, float* scores, int64_t stride, float* z, float* out) {
+  auto run = [&](auto fn) { fn(step, i0, i1, q, k, ks, khs, v, vs, vhs, n, t, h, hkv, scale, scores, stride, z, out); };
   if (d == 64) run(split_step<8>);
   else if (d == 128) run(split_step<16>);
   else if (d == 32) run(split_step<4>);

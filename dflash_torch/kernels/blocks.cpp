@@ -485,15 +485,21 @@ void mm_setup(MmCall& c, MmScratch& scratch, int64_t fmt, int64_t isa, bool aske
   const bool narrow = isa == VNNI && !asked && m < vnni_min_rows();  // a few rows on Zen 4
   if (narrow) isa = AVX2;  // the AVX2 path's layout and activations, its sums by 256-bit dpbusd
   const int64_t mpad = amx && m > 16 ? (m + 15) / 16 * 16 : m;  // AMX reads whole 16-row tiles past 16 rows
-  scratch.q.resize(mpad * k);
+  // the scratch only grows: a pass alternates matmuls of 576 and 1536 inputs, and a vector resized up again
+  // zero-fills what it regains (about 1 us of the calling thread's, alone, per matmul of a 16-row pass)
+  auto fit = [](auto& v, int64_t size) {
+    if ((int64_t)v.size() < size) v.resize(size);
+  };
+  fit(scratch.q, mpad * k);
   std::memset(scratch.q.data() + m * k, 0, (mpad - m) * k);
-  scratch.d.resize(m * nb);
-  scratch.ds.resize(m * nb);
-  scratch.s.resize(m * nb);
+  fit(scratch.d, m * nb);
+  fit(scratch.ds, m * nb);
+  fit(scratch.s, m * nb);
   const bool unsigned_q8 = fmt == Q8_0 && isa == VNNI;
-  if (unsigned_q8) scratch.u.resize(m * k);
-  const bool start_q4_0 = fmt == Q4_0 && isa == VNNI;  // the VNNI sums start at -8 * s: no shift, no subtract
-  if (start_q4_0) scratch.s8.resize(m * nb);
+  if (unsigned_q8) fit(scratch.u, m * k);
+  // the VNNI sums start at -8 * s: no shift, no subtract (the 512-bit path and the 256-bit rows alike)
+  const bool start_q4_0 = fmt == Q4_0 && (isa == VNNI || (narrow && vnni256()));
+  if (start_q4_0) fit(scratch.s8, m * nb);
   const int64_t groups = (n + GROUP - 1) / GROUP;
   const bool wide = amx || isa == VNNI;
   c = MmCall{fmt, isa, amx, wide, narrow && vnni256(), m, n, k, nb, groups, nb * group_bytes(fmt), wide ? (groups + 1) / 2 : groups,

@@ -76,10 +76,11 @@ inline void prefetch_ahead(const uint8_t* rec, int64_t gb) {  // the record PF b
 // One row's float step for one block on 8 columns (the AVX2 rows and the 256-bit VNNI rows share it), the
 // operations of DFLASH_FLOAT_STEP_AT in its order: acc + float(isum [- 8 s]) * (d_x * d_w) [+ m_w * (d_x s_x)].
 // dw, mw: the block's weight scales and Q4_1 minimums, widened; at: the row's block index into x.d / s / ds.
-template <int64_t fmt>
+// started: Q4_0's sum already holds the - 8 s (its chain started there), the same integer.
+template <int64_t fmt, bool started = false>
 __attribute__((target("avx2,fma,f16c"))) inline __m256 float_step8(__m256 acc, __m256i isum, __m256 dw, __m256 mw,
                                                                    const Rows& x, int64_t at) {
-  if (fmt == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_set1_epi32(x.s[at]), 3));
+  if (fmt == Q4_0 && !started) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_set1_epi32(x.s[at]), 3));
   const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(x.d[at]), dw);
   acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dd));
   if (fmt == Q4_1) acc = _mm256_add_ps(acc, _mm256_mul_ps(mw, _mm256_set1_ps(x.ds[at])));

@@ -107,9 +107,14 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
     const uint8_t* rec = w + b * gb;
     prefetch_ahead(rec, gb);
     const uint8_t* qs = rec + qoff;
-    __m256i e[R], o[R];  // two chains of exact integer sums per row (one chain's latency shows)
+    // two chains of exact integer sums per row (one chain's latency shows); Q4_0's first starts at -8 * s, as
+    // on the 512-bit path: the same integer, without a shift and a subtract per row and block
+    __m256i e[R], o[R];
     #pragma GCC unroll 16
-    for (int r = 0; r < R; r++) e[r] = o[r] = _mm256_setzero_si256();
+    for (int r = 0; r < R; r++) {
+      e[r] = fmt == Q4_0 ? _mm256_set1_epi32(x.s8[(r0 + r) * x.nb + b]) : _mm256_setzero_si256();
+      o[r] = _mm256_setzero_si256();
+    }
     if (fmt == Q8_0) {
       #pragma GCC unroll 8
       for (int j = 0; j < 8; j++) {
@@ -139,7 +144,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
     const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16))) : _mm256_setzero_ps();
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++)  // the AVX2 path's float step
-      acc[r] = float_step8<fmt>(acc[r], _mm256_add_epi32(e[r], o[r]), dw, mw, x, (r0 + r) * x.nb + b);
+      acc[r] = float_step8<fmt, true>(acc[r], _mm256_add_epi32(e[r], o[r]), dw, mw, x, (r0 + r) * x.nb + b);
   }
   #pragma GCC unroll 16
   for (int r = 0; r < R; r++) _mm256_storeu_ps(out + GROUP * r, acc[r]);

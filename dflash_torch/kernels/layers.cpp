@@ -349,13 +349,15 @@ struct Lend {
 };
 
 // A verify pass (2 .. ROWS_MAX rows) through every layer in one parallel region, as decode_region does for one
-// row: thread 0 sets up each matmul (mm_setup), the threads quantize their shares of its rows (thread 0 all of
-// them below 8 rows) and compute their shares of its columns (mm_columns); each thread rotates its share of the
-// rows and writes their keys and values (rows_rotate), takes its share of the attention's tiles (rows_attend:
-// attend's tiles by kv heads and positions) and of the activation's rows (act_rows). The functions of the
-// per-call path, so its bits (tests/test_exact.py, tests/test_fast.py); what it saves is a pass's ~200 forks
-// and joins and the dispatch and tensors around them. Returns false (nothing done) where it does not apply
-// (region_fits; an attention that causal_attention would split by keys or run on its scalar loop).
+// row: thread 0 sets up each matmul (mm_setup), the threads quantize their shares of its rows and compute their
+// shares of its columns (mm_columns); each thread rotates its share of the
+// rows and writes their keys and values (rows_rotate), takes its share of the attention's tasks on the path
+// causal_attention takes (rows_attend: tiles by kv heads and positions; or, for up to 8 positions from 512 keys,
+// rows_split_step: scores by blocks of keys, softmax, output sums by dimensions, a barrier after each) and of the
+// activation's rows (act_rows). The functions of the per-call path, so its bits (tests/test_exact.py,
+// tests/test_fast.py); what it saves is a pass's ~200 forks and joins and the dispatch and tensors around them.
+// Returns false (nothing done) where it does not apply (region_fits; an attention that causal_attention would
+// run on its scalar loop).
 constexpr int64_t ROWS_MAX = 64;
 
 bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in, const Tensor& cos,
@@ -391,6 +393,13 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
   const int64_t chain = tree ? tree->chain : t;
   const dflash_attention::RowsPlan plan = dflash_attention::rows_plan(layer_cache(0), pos, chain, h, threads);
   if (!plan.ok) return false;
+  // the split's scores and softmax sums, shared by the threads (every score a step reads, that layer's step 0
+  // wrote: no zeroing between layers or passes)
+  thread_local std::vector<float> split_buf;
+  if (plan.steps == 3 && (int64_t)split_buf.size() < chain * h * (plan.sstride + 1))
+    split_buf.resize(chain * h * (plan.sstride + 1));
+  float* split_scores = split_buf.data();
+  float* split_z = split_scores + chain * h * plan.sstride;
   Tensor x = x_in.clone();  // the residual stream [T, H], updated in place by the o and down projections
   float* xp = x.data_ptr<float>();
   Tensor yqkv = at::empty({t, fqkv}, x.options()), ygu = at::empty({t, fgu}, x.options());
@@ -409,7 +418,9 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
   thread_local MmScratch scratch;  // (resized by thread 0 alone: the others read it through c's pointers)
   MmCall c;  // the current matmul: set by thread 0, read by all after the barrier that follows
   const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the other threads are told
-  const bool split_quantize = t >= 8;
+  // the threads share each matmul's rows to quantize (and normalize) as block_mm's do: thread 0 alone took 0.2-0.3
+  // ms of a 2- or 4-row pass while the other waited (tools/probes/decode_region_probe.py)
+  const bool split_quantize = t >= threads;
   // a side row's rotated query and decode plan (set by thread 0, read by all past a barrier), and the slots it
   // borrows in the current layer's cache
   thread_local std::vector<float> qbuf;
@@ -432,7 +443,7 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
         error = std::current_exception();
       }
     };
-    // one matmul: thread 0 sets it up (and quantizes every row, below 8 rows), then everyone's share
+    // one matmul: thread 0 sets it up (and quantizes every row, with one thread), then everyone's share
     auto matmul = [&](int64_t slot, int64_t n, int64_t k, const float* in, const float* norm_w, float* y,
                       const float* res) {
       if (tid == 0)
@@ -461,11 +472,22 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
         dflash_attention::rows_rotate(yqkv.data_ptr<float>(), cp, sp, q.data_ptr<float>(), cache, pos, h, r0, r1);
       });
 #pragma omp barrier
-      const auto [a0, a1] = even_share(plan.tasks, tid, nth);
-      guarded([&] {
-        dflash_attention::rows_attend(plan, a0, a1, q.data_ptr<float>(), cache, pos, scale, attn.data_ptr<float>());
-      });
+      if (plan.steps == 1) {
+        const auto [a0, a1] = even_share(plan.tasks, tid, nth);
+        guarded([&] {
+          dflash_attention::rows_attend(plan, a0, a1, q.data_ptr<float>(), cache, pos, scale, attn.data_ptr<float>());
+        });
 #pragma omp barrier
+      } else {
+        for (int st = 0; st < plan.steps; st++) {  // the split by keys: scores, softmax, output sums
+          const auto [a0, a1] = even_share(plan.split[st], tid, nth);
+          guarded([&] {
+            dflash_attention::rows_split_step(plan, st, a0, a1, q.data_ptr<float>(), cache, pos, scale, split_scores,
+                                              split_z, attn.data_ptr<float>());
+          });
+#pragma omp barrier
+        }
+      }
       for (int64_t r = chain; r < t; r++) {  // a tree's side rows, one after the other, the threads sharing each
         const int64_t dr = tree->depth[r];
         if (tid == 0)
