@@ -1,7 +1,8 @@
 """What a decode step costs around its decoder stack (kernels/layers.cpp), in one process, alternating call by
 call: the same step through `Model.forward` (rotary rows, the embedding row, the taps, the stack) and as a bare
 `decoder_stack` call on prepared inputs; then the bare call right after other work on the calling thread (an
-elementwise torch operator, a numpy operator, our own RMSNorm, a 100 us sleep), each minus the bare call.
+elementwise torch operator, a numpy operator, our own RMSNorm, a 100 us sleep, a zero sleep, a plain system call),
+each minus the bare call.
 
     python tools/probes/around_stack_probe.py [--rounds 300] [--context 300] [--threads 2]
 """
@@ -9,6 +10,7 @@ elementwise torch operator, a numpy operator, our own RMSNorm, a 100 us sleep), 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -62,7 +64,8 @@ def main() -> None:
         calls = {"bare stack": bare(), "Model.forward": step, "after torch add_": bare(lambda: row.add_(0.0)),
                  "after numpy multiply": bare(lambda: arr * 2), "after dflash rms_norm":
                  bare(lambda: torch.ops.dflash.rms_norm(row, w, 1e-5, -1)),
-                 "after a 100 us sleep": bare(lambda: time.sleep(1e-4))}
+                 "after a 100 us sleep": bare(lambda: time.sleep(1e-4)),
+                 "after time.sleep(0)": bare(lambda: time.sleep(0)), "after os.getpid()": bare(os.getpid)}
         times: dict[str, list[float]] = {k: [] for k in calls}
         for _ in range(args.rounds):
             for k, fn in calls.items():
