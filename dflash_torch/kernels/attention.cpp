@@ -530,11 +530,12 @@ void rows_rotate(const float* qkv, const float* cos, const float* ssin, float* q
                 c.khs, c.ks, c.vhs, c.vs, f16c);
 }
 
-// From this many keys a verify pass of 2-8 rows in layers.cpp's region takes the split by keys (causal_attention:
-// from 512). tools/probes/decode_region_probe.py, the region's stack against the per-call stack, the region with its
+// From this many keys a verify pass of 2-16 rows in layers.cpp's region takes the split by keys (causal_attention:
+// 2-8 rows from 512). tools/probes/decode_region_probe.py, the region's stack against the per-call stack, the region with its
 // tiles (old) and with the split (new) in alternating processes (AMD EPYC Zen 4, 2 threads): after 130 / 300 / 450
 // keys 4 rows 0.894 / 0.910 / 0.912 -> 0.811 / 0.792 / 0.755, 8 rows 0.929 / 0.944 -> 0.898 / 0.843, 2 rows level;
-// after 40 keys 4 rows 0.841 -> 0.872 and 8 rows 0.909 -> 0.920, slower. The same bits either way.
+// after 40 keys 4 rows 0.841 -> 0.872 and 8 rows 0.909 -> 0.920, slower; 12 rows 0.946 / 0.941 -> 0.914 / 0.882 and
+// 16 rows 0.951 / 0.959 / 0.954 -> 0.924 / 0.900 / 0.913 after 130 / 200 / 400 keys. The same bits either way.
 constexpr int64_t ROWS_SPLIT_KEYS = 128;
 
 RowsPlan rows_plan(const DecodeCache& c, int64_t start, int64_t t, int64_t h, int64_t threads) {
@@ -547,10 +548,10 @@ RowsPlan rows_plan(const DecodeCache& c, int64_t start, int64_t t, int64_t h, in
   if (tile == nullptr) return r;  // causal_attention's scalar loop: not here
   r.t = t, r.h = h;
 #ifdef DFLASH_X86
-  // causal_attention's split by keys (up to 8 positions on a float16 cache), its three steps, from ROWS_SPLIT_KEYS
-  // keys: where the region's threads are already running, the split's two extra barriers cost less than the
+  // causal_attention's split by keys (there up to 8 positions; here up to 16) on a float16 cache, its three steps,
+  // from ROWS_SPLIT_KEYS keys: where the region's threads are already running, the split's two extra barriers cost less than the
   // per-call path's forks, and the split read each block of keys once for all positions
-  if (c.half && isa == 2 && start + t >= ROWS_SPLIT_KEYS && t <= 8 &&
+  if (c.half && isa == 2 && start + t >= ROWS_SPLIT_KEYS && t <= 16 &&
       split_tasks(d, start + 1, t, h, hkv, r.split, r.sstride)) {
     r.ok = true, r.steps = 3;
     return r;

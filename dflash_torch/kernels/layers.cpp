@@ -352,7 +352,7 @@ struct Lend {
 // row: thread 0 sets up each matmul (mm_setup), the threads quantize their shares of its rows and compute their
 // shares of its columns (mm_columns); each thread rotates its share of the rows and writes their keys and values
 // (rows_rotate), takes its share of the attention's tasks on rows_plan's path (rows_attend: tiles by kv heads and
-// positions, as causal_attention runs them; or, for up to 8 positions from 128 keys, rows_split_step: scores by
+// positions, as causal_attention runs them; or, for up to 16 positions from 128 keys, rows_split_step: scores by
 // blocks of keys, softmax, output sums by dimensions, a barrier after each) and of the activation's rows
 // (act_rows). The functions of the per-call path, so its bits (tests/test_exact.py, tests/test_fast.py); what it
 // saves is a pass's ~200 forks and joins and the dispatch and tensors around them. Returns false (nothing done)
