@@ -548,9 +548,9 @@ RowsPlan rows_plan(const DecodeCache& c, int64_t start, int64_t t, int64_t h, in
   if (tile == nullptr) return r;  // causal_attention's scalar loop: not here
   r.t = t, r.h = h;
 #ifdef DFLASH_X86
-  // causal_attention's split by keys (there up to 8 positions; here up to 16) on a float16 cache, its three steps,
-  // from ROWS_SPLIT_KEYS keys: where the region's threads are already running, the split's two extra barriers cost less than the
-  // per-call path's forks, and the split read each block of keys once for all positions
+  // causal_attention's split by keys on a float16 cache (there 2-8 positions from 512 keys; here up to 16 from
+  // ROWS_SPLIT_KEYS), its three steps: the region's threads are running already, and the split reads each block of
+  // keys once for all positions
   if (c.half && isa == 2 && start + t >= ROWS_SPLIT_KEYS && t <= 16 &&
       split_tasks(d, start + 1, t, h, hkv, r.split, r.sstride)) {
     r.ok = true, r.steps = 3;

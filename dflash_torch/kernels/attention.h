@@ -137,13 +137,13 @@ void decode_step(const DecodePlan& p, int step, int64_t i0, int64_t i1, const fl
                  int64_t start, int64_t h, double scale, float* out);
 
 // A verify pass's attention in parts (layers.cpp's region for several rows): rows_rotate (rows [i0, i1) of qkv
-// [T, (H + 2 Hkv) D] rotated: q [T, H, D] out, keys and values written at positions start + i), then the path
-// causal_attention takes, in steps (a barrier after each): steps 1, rows_attend on each thread's share of the
-// tiles (by kv heads and positions); steps 3, rows_split_step on each thread's share of split[step] tasks (the
-// split by keys of a float16 cache, up to 16 positions from 128 keys here, where causal_attention splits 2-8 from 512:
-// scores [t h, sstride] and z [t h] the caller's). Either way rope_attention's bits. ok is false where
-// causal_attention would run its scalar loop;
-// threads: as causal_attention counts them (only the split of the work depends on it).
+// [T, (H + 2 Hkv) D] rotated: q [T, H, D] out, keys and values written at positions start + i), then the
+// attention in steps (a barrier after each): steps 1, rows_attend on each thread's share of the tiles (by kv
+// heads and positions, causal_attention's); steps 3, rows_split_step on each thread's share of split[step] tasks
+// (the split by keys of a float16 cache, up to 16 positions from 128 keys, where causal_attention splits 2-8 from
+// 512: scores [t h, sstride] and z [t h] the caller's). Either way rope_attention's bits. ok is false where
+// causal_attention would run its scalar loop; threads: as causal_attention counts them (only the split of the
+// work depends on it).
 struct RowsPlan {
   bool ok;
   int steps;
