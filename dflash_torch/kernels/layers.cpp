@@ -418,7 +418,7 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
   MmCall c;  // the current matmul: set by thread 0, read by all after the barrier that follows
   const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the other threads are told
   // the threads share each matmul's rows to quantize (and normalize) as block_mm's do: thread 0 alone took 0.2-0.3
-  // ms of a 2- or 4-row pass while the other waited (tools/probes/decode_region_probe.py)
+  // ms of a 2- or 4-row pass while the other waited (barrier timers, docs/performance.md)
   const bool split_quantize = t >= threads;
   // a side row's rotated query and decode plan (set by thread 0, read by all past a barrier), and the slots it
   // borrows in the current layer's cache
