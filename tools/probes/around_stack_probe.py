@@ -2,7 +2,7 @@
 call: the same step through `Model.forward` (rotary rows, the embedding row, the taps, the stack) and as a bare
 `decoder_stack` call on prepared inputs; then the bare call right after other work on the calling thread (an
 elementwise torch operator, a numpy operator, our own RMSNorm, a 100 us sleep, a zero sleep, a plain system call),
-each minus the bare call.
+each minus the bare call; last, the operators Model.forward adds around the stack, each timed alone.
 
     python tools/probes/around_stack_probe.py [--rounds 300] [--context 300] [--threads 2]
 """
@@ -72,11 +72,26 @@ def main() -> None:
                 t0 = time.perf_counter()
                 fn()
                 times[k].append(time.perf_counter() - t0)
+        # the operators Model.forward adds around the stack, each alone (many calls in a row, the mean)
+        outs = [x] * len(taps)
+        pieces = {"rotary rows": lambda: t.rotary.span(n, n + 1, torch.float32),
+                  "embedding row": lambda: t.model.embed_tokens(ids[0]),
+                  "signed sine": lambda: flat.signed(sin[:, None]),
+                  "taps joined": lambda: torch.cat(outs, dim=-1)[None]}
+        alone = {}
+        for k, fn in pieces.items():
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(2000):
+                fn()
+            alone[k] = (time.perf_counter() - t0) / 2000
     base = statistics.median(times["bare stack"])
     print(f"threads {args.threads}, context {n}, {args.rounds} rounds; bare stack {base * 1e6:.1f} us (median)")
     for k, v in times.items():
         if k != "bare stack":
             print(f"  {k:22s} {statistics.median(v) * 1e6:8.1f} us  ({(statistics.median(v) - base) * 1e6:+.1f})")
+    print("alone: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in alone.items())
+          + f"; together {sum(alone.values()) * 1e6:.1f} us")
 
 
 if __name__ == "__main__":
