@@ -126,6 +126,7 @@ def test_deferred_head_gives_the_whole_heads_rows_and_choices(quantized, fmt):
     gives the logits of `logits="all"` bit for bit, and the loop's acceptance from it (the head on the first
     rows, the rest only if their drafts are all kept) keeps the same drafts and the same next token."""
     from dflash_torch.decoding import speculative
+    from dflash_torch.decoding.proposers import Draft
     from dflash_torch.decoding.sampling import Sampler
 
     rng = random.Random(4)
@@ -147,10 +148,10 @@ def test_deferred_head_gives_the_whole_heads_rows_and_choices(quantized, fmt):
             choice = whole.logits[0].argmax(-1).tolist()
             for keep in (0, 2, speculative.HEAD_FIRST_ROWS - 1, speculative.HEAD_FIRST_ROWS, len(block) - 1):
                 keep = min(keep, len(block) - 1)  # drafts equal to the target's choices up to `keep`, then not
-                drafts = torch.tensor([choice[i] if i < keep else (choice[i] + 1) % 255
-                                       for i in range(len(block) - 1)])
-                want = speculative._accept(target, whole, drafts, None, rules)
-                got = speculative._accept(target, rows, drafts, None, rules)
+                drafts = [choice[i] if i < keep else (choice[i] + 1) % 255 for i in range(len(block) - 1)]
+                draft = Draft(None, torch.tensor([[block[0], *drafts]]))  # its token list read from the block
+                want = speculative._accept(target, whole, draft, rules)
+                got = speculative._accept(target, rows, Draft(None, draft.block, tokens=[block[0], *drafts]), rules)
                 assert got[:2] == want[:2] == (list(range(keep + 1)), choice[keep]), (kind, keep)
                 assert torch.equal(got[2], want[2][: got[2].shape[0]]) and got[2].shape[0] > keep
 

@@ -12,7 +12,7 @@ from dflash_torch.decoding.adaptive import AdaptiveBlockSize, calibrate
 from dflash_torch.decoding.drafter import FlatDraft, NativeDraft, load_drafter
 from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import Pipeline
-from dflash_torch.models import layers
+from dflash_torch.models import flat, layers
 from dflash_torch.models.layers import RMSNorm
 from dflash_torch.models.quantize import Int4Linear, Int8Linear, quantize_blocks, quantize_int4, quantize_int8
 from dflash_torch.profile import profile_pipeline
@@ -811,7 +811,8 @@ def test_windowed_drafter_takes_its_context_in_parts(pair):
                                      "original_max_position_embeddings": 128}])
 def test_rotary_table_rows_equal_the_positions_computed_alone(params):
     """Rotary.span's rows (a table computed once, grown by doubling) are exactly what forward computes for
-    those positions alone, whichever order the spans are asked for in and for each dtype."""
+    those positions alone, whichever order the spans are asked for in and for each dtype; Rotary.rows gives
+    the same rows as [T, 1, D] with flat.signed's signed sine."""
     from dflash_torch.models.rope import Rotary
 
     rot = Rotary({"rope_type": "default", **params}, 64, 8192)
@@ -824,3 +825,6 @@ def test_rotary_table_rows_equal_the_positions_computed_alone(params):
             got = rot.span(start, end, dtype)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (start, end, dtype)
             assert got[0].dtype == dtype
+            cos, sin, signed = rot.rows(start, end, dtype)
+            assert cos.shape == (end - start, 1, 64) and torch.equal(cos[:, 0], want[0])
+            assert torch.equal(sin[:, 0], want[1]) and torch.equal(signed, flat.signed(want[1][:, None]))

@@ -33,10 +33,18 @@ class Draft:
     block: torch.Tensor  # [1, bs] long
     probs: torch.Tensor | None = None  # [bs - 1, V]: the distribution each draft was drawn from (None when greedy)
     parents: list[int] | None = None  # a tree (greedy only): each row's parent row; None: a chain
+    tokens: list[int] | None = None  # block[0] as a list where the proposer had it (else read once from block)
 
     @property
     def width(self) -> int:
         return self.block.shape[1]
+
+    def token_list(self) -> list[int]:
+        """block[0] as a list: the loop compares and commits these (each tensor operation after a pass costs
+        more than the comparison)."""
+        if self.tokens is None:
+            self.tokens = self.block[0].tolist()
+        return self.tokens
 
 
 @dataclass
@@ -53,17 +61,18 @@ def ranked(offers: list[Offer | None]) -> list[Offer]:
 
 def plain_step(token: int, device) -> Draft:
     """A cycle without a draft: the target decodes one token (its verify pass is a decode step)."""
-    return Draft(None, torch.tensor([[token]], device=device))
+    return Draft(None, torch.tensor([[token]], device=device), tokens=[token])
 
 
 def fixed_draft(source, token: int, tokens: list[int], sampler: Sampler, vocab_size: int, device) -> Draft:
     """A draft of known tokens: to rejection sampling, a one-hot q, so sampled output stays exact."""
-    block = torch.tensor([[token, *tokens]], device=device)
+    row = [token, *tokens]
+    block = torch.tensor([row], device=device)
     probs = None
     if not sampler.greedy:
         probs = torch.zeros(len(tokens), vocab_size, device=device)
         probs[torch.arange(len(tokens)), block[0, 1:]] = 1.0
-    return Draft(source, block, probs)
+    return Draft(source, block, probs, tokens=row)
 
 
 class LookupProposer:
@@ -237,7 +246,8 @@ class DrafterProposer:
         self.pending = []
         self.top = ids.tolist()
         tokens = shape.tokens(token, self.top)
-        return Draft(self, torch.tensor([tokens], device=device), None, None if shape.chain else shape.parents)
+        return Draft(self, torch.tensor([tokens], device=device), None, None if shape.chain else shape.parents,
+                     tokens)
 
     def observe(self, draft: Draft, accepted: int, new: list[int], hidden: torch.Tensor, seconds: float) -> None:
         kept = hidden[:, : len(new)]  # [1, len(new), n_taps * H]: the features of what was committed

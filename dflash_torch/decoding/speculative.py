@@ -23,7 +23,7 @@ from .. import kernels
 from . import trees
 from .prefix_cache import PrefixCache, Session, capacity_for
 from .proposers import DatastoreProposer, DrafterProposer, ForcedProposer, LookupProposer, plain_step, ranked
-from .sampling import History, Sampler, TokenLogprobs
+from .sampling import History, Sampler, TokenLogprobs, accept_greedy
 from .structured import Constraint
 
 
@@ -325,7 +325,8 @@ def _speculate(target, token: int, cache, proposers: list, rules: Rules, taps, m
         draft = draft or plain_step(token, device)
         out, rows, bonus, logits = _verify(target, draft, cache, taps, rules)  # rows: the kept path
         accepted = len(rows) - 1
-        new = _committed(draft.block[0, rows[1:]].tolist() + [bonus], remaining, stops)
+        tokens = draft.token_list()
+        new = _committed([tokens[r] for r in rows[1:]] + [bonus], remaining, stops)
         rules.commit(new)
         hidden = out.hidden
         if draft.parents is not None:  # a tree: the kept path's keys/values and features, in place of the first rows'
@@ -361,11 +362,11 @@ def _verify(target, draft, cache, taps, rules: Rules):
     if draft.parents is None:  # a chain
         defer = _defers_head(target, draft.width, rules)  # the LM head on the rows read, not on every row
         out = target(draft.block, cache, logits="rows" if defer else "all", taps=taps)
-        rows, bonus, logits = _accept(target, out, draft.block[0, 1:], draft.probs, rules)
+        rows, bonus, logits = _accept(target, out, draft, rules)
         return out, rows, bonus, logits
     # a tree (greedy): each row attends to its own ancestors; the path of the target's choices
     out = target(draft.block, cache, logits="all", taps=taps, parents=draft.parents)
-    rows, bonus = trees.walk(draft.parents, draft.block[0].tolist(), kernels.argmax(out.logits[0]).tolist())
+    rows, bonus = trees.walk(draft.parents, draft.token_list(), kernels.argmax(out.logits[0]).tolist())
     return out, rows, bonus, out.logits[0, rows]
 
 
@@ -377,22 +378,30 @@ def _defers_head(target, width: int, rules: Rules) -> bool:
             and target.defers_head(width))
 
 
-def _accept(target, out, drafts: torch.Tensor, probs, rules: Rules) -> tuple[list[int], int, torch.Tensor]:
+def _accept(target, out, draft, rules: Rules) -> tuple[list[int], int, torch.Tensor]:
     """A chain's acceptance: (the rows of the kept path: 0 .. drafts kept, the target's next token, the logits
     [n, V] of the verify pass's rows 0..n-1, which hold every row the kept tokens were chosen from). From a
     pass with its head deferred (`out.final`), the head runs on the first HEAD_FIRST_ROWS rows and on the
     others only if all drafts there are kept."""
+    greedy = rules.sampler.greedy and rules.history is None and rules.constraint is None
     if out.final is None:
         logits = out.logits[0]
-        accepted, bonus = rules.sampler.verify(drafts, rules.logits(logits, drafts), probs)
+        if greedy:  # the argmax's choices against the drafts, as lists (`Sampler.verify` compares the same)
+            choice = kernels.argmax(logits).tolist()
+            accepted = accept_greedy(draft.token_list()[1:], choice)
+            return list(range(accepted + 1)), choice[accepted], logits
+        drafts = draft.block[0, 1:]
+        accepted, bonus = rules.sampler.verify(drafts, rules.logits(logits, drafts), draft.probs)
         return list(range(accepted + 1)), bonus, logits
-    n = HEAD_FIRST_ROWS
+    n, drafts = HEAD_FIRST_ROWS, draft.token_list()[1:]  # (deferred heads are greedy only: `_defers_head`)
     logits = target.head(out.final[:n])  # [n, V]
-    accepted, bonus = rules.sampler.verify(drafts[: n - 1], logits, None)
-    if accepted == n - 1 and int(drafts[n - 1]) == bonus:  # the first n drafts kept: the others are read
+    choice = kernels.argmax(logits).tolist()
+    accepted = accept_greedy(drafts[: n - 1], choice)
+    if accepted == n - 1 and drafts[n - 1] == choice[accepted]:  # the first n drafts kept: the others are read
         logits = torch.cat([logits, target.head(out.final[n:])])
-        accepted, bonus = rules.sampler.verify(drafts, logits, None)
-    return list(range(accepted + 1)), bonus, logits
+        choice = kernels.argmax(logits).tolist()
+        accepted = accept_greedy(drafts, choice)
+    return list(range(accepted + 1)), choice[accepted], logits
 
 
 def _device(target) -> torch.device:

@@ -16,7 +16,7 @@ from torch import nn
 from . import flat
 from .cache import KVCache
 from .layers import MLP, Linear, RMSNorm, attend, attend_each_query, attention_mask
-from .quantize import BlockLinear
+from .quantize import BlockEmbedding, BlockLinear
 from .rope import Rotary, apply_rotary, rope_parameters
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -352,15 +352,18 @@ class Model(nn.Module):
         end = pos + t
         if end > cache.max_len:
             raise ValueError(f"KV cache overflow: position {end} > capacity {cache.max_len}")
-        cos, sin = self.rotary.span(pos, end, self.model.embed_tokens.weight.dtype)
-        x = self.model.embed_tokens(input_ids[0])  # [T, H]
-        if parents is None:
-            x, tapped = plan(x, cos[:, None], sin[:, None], pos, cache.k, cache.v, list(taps))
-        else:  # each row at position pos + its depth
-            depth = tree_depths(parents)
-            rows = torch.tensor(depth, device=cos.device)
-            cos, sin = cos.index_select(0, rows), sin.index_select(0, rows)
-            x, tapped = plan(x, cos[:, None], sin[:, None], pos, cache.k, cache.v, list(taps), list(parents))
+        emb = self.model.embed_tokens
+        cos, sin, signed = self.rotary.rows(pos, end, emb.weight.dtype)  # [T, 1, D] each
+        # a few tokens' rows as kept (a decode step's or verify pass's), else looked up
+        x = emb.rows(input_ids[0].tolist()) if type(emb) is BlockEmbedding and t <= emb.SMALL_LOOKUP \
+            else emb(input_ids[0])  # [T, H]
+        if parents is not None:  # each row at position pos + its depth
+            rows = torch.tensor(tree_depths(parents), device=cos.device)
+            cos, sin, signed = cos.index_select(0, rows), sin.index_select(0, rows), signed.index_select(0, rows)
+        if type(plan) is NativeLayers:
+            x, tapped = plan.run(x, cos, sin, signed, pos, cache.k, cache.v, list(taps), list(parents or ()))
+        else:
+            x, tapped = plan(x, cos, sin, pos, cache.k, cache.v, list(taps))
         cache.length = end
         if taps:  # tapped in layer order; the features go in the order asked for
             by_layer = dict(zip(sorted(set(taps)), tapped))
@@ -470,14 +473,19 @@ class NativeLayers:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: int, keys: torch.Tensor,
                  values: torch.Tensor, taps: list[int],
                  parents: list[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.run(x, cos, sin, flat.signed(sin), pos, keys, values, taps, list(parents))
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed_sin: torch.Tensor, pos: int,
+            keys: torch.Tensor, values: torch.Tensor, taps: list[int],
+            parents: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`__call__` with the signed sine given (`Rotary.rows` keeps it)."""
         f = self.layers
         if x.dtype != torch.float32 or cos.shape[-1] != f.d:
             if parents:
                 raise ValueError("a tree pass takes float32 activations and full rotary")
             return self.fallback(x, cos, sin, pos, keys, values, taps)
-        return torch.ops.dflash.decoder_stack(x, cos, flat.signed(sin), pos, keys, values, taps, self.norms,
-                                              self.packed, self.codes, self.biases, f.eps, f.h, f.hkv, f.scale,
-                                              f.act, list(parents))
+        return torch.ops.dflash.decoder_stack(x, cos, signed_sin, pos, keys, values, taps, self.norms, self.packed,
+                                              self.codes, self.biases, f.eps, f.h, f.hkv, f.scale, f.act, parents)
 
 
 def tree_depths(parents: list[int]) -> list[int]:

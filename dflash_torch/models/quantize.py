@@ -242,6 +242,7 @@ class BlockEmbedding(nn.Module):
 
     def _apply(self, fn, recurse=True):  # moved or cast: the kept rows would be stale
         self.__dict__.pop("_rows", None)
+        self.__dict__.pop("_kept", None)
         return super()._apply(fn, recurse)
 
     def _dequantize(self, flat_ids: torch.Tensor) -> torch.Tensor:
@@ -251,6 +252,22 @@ class BlockEmbedding(nn.Module):
         else:
             raw = self.blocks[flat_ids]
         return pack.dequantize(raw, self.fmt)  # [n, H] float32
+
+    def rows(self, ids: list[int]) -> torch.Tensor:
+        """The rows [T, H] of token ids as `forward` gives them, for a flat pass's few tokens: one token's is
+        the kept row itself (read-only: the layers never write their input), several are joined. After a
+        decode step's matmuls have gone through the caches, `forward`'s small operators cost about 0.15 ms of
+        each step (docs/performance.md, "What a decode step costs around its kernels")."""
+        cache = self.__dict__.setdefault("_kept", {})  # token id -> [1, H] of the table's dtype
+        if len(cache) * self.embedding_dim * 4 > self.ROW_CACHE_BYTES:
+            cache.clear()
+        got = []
+        for t in ids:
+            row = cache.get(t)
+            if row is None:
+                row = cache[t] = self._dequantize(torch.tensor([t])).to(self.weight.dtype)
+            got.append(row)
+        return got[0] if len(got) == 1 else torch.cat(got)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat_ids = ids.reshape(-1).cpu()

@@ -77,7 +77,9 @@ class Rotary(torch.nn.Module):
         self.scale = scale
         self.register_buffer("inv_freq", freqs, persistent=False)
 
-        self._tables: dict = {}  # (dtype, device) -> (cos, sin) [N, D] for positions 0 .. N - 1 (`span`)
+        # (dtype, device) -> (cos, sin) [N, D] for positions 0 .. N - 1 (`span`), then cos, sin and the signed
+        # sine as [N, 1, D] (`rows`)
+        self._tables: dict = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Computed in float32 from the positions each call; cheap next to the matmuls.
@@ -89,12 +91,28 @@ class Rotary(torch.nn.Module):
         """`forward(torch.arange(start, end), dtype)` as rows of a table kept from earlier calls: the same
         values (every step is elementwise, so a position's row does not depend on the others computed with
         it; tests/test_fast.py), without the eight small operators a decode step or draft pass paid for them."""
-        key = (dtype, self.inv_freq.device)
-        table = self._tables.get(key)
+        table = self._table(end, dtype)
+        return table[0][start:end], table[1][start:end]
+
+    def rows(self, start: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`span`'s rows as [T, 1, D] (one head axis, as the flat paths take them), and the signed sine
+        [-sin1, sin2] that `flat.rotate` and the kernels take (`flat.signed` of the same rows: a negation, so the
+        same bits). Three slices of kept tables: after a decode step's matmuls have gone through the caches,
+        the eight small operators these took cost about a tenth of a millisecond (docs/performance.md, "What
+        a decode step costs around its kernels")."""
+        table = self._table(end, dtype)
+        return table[2][start:end], table[3][start:end], table[4][start:end]
+
+    def _table(self, end: int, dtype: torch.dtype) -> tuple:
+        device = self.inv_freq.device
+        table = self._tables.get((dtype, device))
         if table is None or table[0].shape[0] < end:
             n = max(end, 2 * table[0].shape[0] if table is not None else 256)  # grows by doubling
-            table = self._tables[key] = self(torch.arange(n, device=self.inv_freq.device), dtype)
-        return table[0][start:end], table[1][start:end]
+            cos, sin = self(torch.arange(n, device=device), dtype)
+            half = sin.shape[-1] // 2
+            signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # flat.signed, on the whole table
+            table = self._tables[(dtype, device)] = (cos, sin, cos[:, None], sin[:, None], signed[:, None])
+        return table
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,8 @@ def timed_speculate(target, token, cache, proposers, rules, taps, max_new_tokens
         out, rows, bonus, logits = S._verify(target, draft, cache, taps, rules)
         t3 = time.perf_counter()
         accepted = len(rows) - 1
-        new = S._committed(draft.block[0, rows[1:]].tolist() + [bonus], remaining, stops)
+        tokens = draft.token_list()
+        new = S._committed([tokens[r] for r in rows[1:]] + [bonus], remaining, stops)
         rules.commit(new)
         hidden = out.hidden
         if draft.parents is not None:
