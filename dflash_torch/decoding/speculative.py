@@ -292,9 +292,9 @@ class Rules:
 def _decode(target, token: int, cache, rules: Rules, max_new_tokens: int, stops: set[int], stats: Stats,
             logprobs: TokenLogprobs | None) -> Iterator[int]:
     """Target-only decoding after the first token: one token per pass."""
-    device, t0 = _device(target), time.perf_counter()
+    device, t0, run = _device(target), time.perf_counter(), _runner(target)
     while True:
-        out = target(torch.tensor([[token]], device=device), cache, logits="last")
+        out = run(torch.tensor([[token]], device=device), cache, "last", ())
         token = rules.sampler.sample(rules.logits(out.logits[0]))[0].item()
         rules.commit([token])
         stats.cycles += 1
@@ -310,7 +310,7 @@ def _decode(target, token: int, cache, rules: Rules, max_new_tokens: int, stops:
 def _speculate(target, token: int, cache, proposers: list, rules: Rules, taps, max_new_tokens: int,
                stops: set[int], stats: Stats, logprobs: TokenLogprobs | None) -> Iterator[int]:
     """Speculative decoding after the first token: propose -> verify -> accept -> commit -> observe."""
-    device, t0 = _device(target), time.perf_counter()
+    device, t0, run = _device(target), time.perf_counter(), _runner(target)
     while True:
         remaining = max_new_tokens - stats.generated_tokens
         t_cycle = time.perf_counter()
@@ -323,7 +323,7 @@ def _speculate(target, token: int, cache, proposers: list, rules: Rules, taps, m
             if draft is not None:
                 break
         draft = draft or plain_step(token, device)
-        out, rows, bonus, logits = _verify(target, draft, cache, taps, rules)  # rows: the kept path
+        out, rows, bonus, logits = _verify(target, draft, cache, taps, rules, run)  # rows: the kept path
         accepted = len(rows) - 1
         tokens = draft.token_list()
         new = _committed([tokens[r] for r in rows[1:]] + [bonus], remaining, stops)
@@ -356,16 +356,27 @@ def _speculate(target, token: int, cache, proposers: list, rules: Rules, taps, m
 HEAD_FIRST_ROWS = 4
 
 
-def _verify(target, draft, cache, taps, rules: Rules):
+def _runner(target):
+    """The target's pass for one sequence, called as run(ids, cache, logits, taps[, parents]): its flat path
+    itself where that serves every pass (`flat_serves`), else its forward."""
+    serves = getattr(target, "flat_serves", None)
+    if serves is not None and serves():
+        return target._flat
+    return lambda ids, cache, logits, taps, parents=None: target(ids, cache, logits=logits, taps=taps,
+                                                                 **({} if parents is None else {"parents": parents}))
+
+
+def _verify(target, draft, cache, taps, rules: Rules, run=None):
     """The target's pass over a draft -> (its output, the rows of the kept path from row 0, the target's next
-    token, the logits [n, V] the kept path's tokens and the next one were chosen from)."""
+    token, the logits [n, V] the kept path's tokens and the next one were chosen from). run: `_runner(target)`."""
+    run = run or _runner(target)
     if draft.parents is None:  # a chain
         defer = _defers_head(target, draft.width, rules)  # the LM head on the rows read, not on every row
-        out = target(draft.block, cache, logits="rows" if defer else "all", taps=taps)
+        out = run(draft.block, cache, "rows" if defer else "all", taps)
         rows, bonus, logits = _accept(target, out, draft, rules)
         return out, rows, bonus, logits
     # a tree (greedy): each row attends to its own ancestors; the path of the target's choices
-    out = target(draft.block, cache, logits="all", taps=taps, parents=draft.parents)
+    out = run(draft.block, cache, "all", taps, draft.parents)
     rows, bonus = trees.walk(draft.parents, draft.token_list(), kernels.argmax(out.logits[0]).tolist())
     return out, rows, bonus, out.logits[0, rows]
 

@@ -289,6 +289,13 @@ class Model(nn.Module):
                                                   head.out_features, -1)
         return head(norm(x))
 
+    def flat_serves(self) -> bool:
+        """Whether `forward` takes the flat path for every pass of one sequence (no window; every query through
+        the attention kernel), so that a loop may call `_flat` itself: after a pass's matmuls have gone through
+        the caches, nn.Module's call and forward's checks cost 0.1-0.15 ms of each step (docs/performance.md,
+        "What a decode step costs around its kernels")."""
+        return self.flat and not self.config.sliding_window and self.model.layers[0].self_attn.exact_kernel
+
     def verifies_trees(self, t: int) -> bool:
         """Whether a pass of t tokens can take `parents` (a tree): the flat path on the native decoder stack."""
         return self.flat and t > 1 and self._each_query(t) and isinstance(self._flat_plan(), NativeLayers)
