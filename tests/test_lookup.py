@@ -73,6 +73,29 @@ def test_draft_length_is_the_width_with_the_most_tokens_per_second():
             assert lk.draft_length(available) == want, (trial, available)
 
 
+def test_a_width_priced_out_by_one_slow_pass_is_tried_again():
+    """A width measured once at a slow moment is not priced out for good: after STALE_PASSES passes without one
+    of its width its cost is forgotten, the width is priced from those measured since, and drafted again; a plain
+    dict (no record of when) keeps the old price, as before."""
+    from dflash_torch.decoding.lookup import STALE_PASSES, VerifyCosts
+
+    for costs, forgets in ((VerifyCosts(), True), ({}, False)):
+        lk = PromptLookup([1, 2, 3])
+        lk.costs = costs
+        lk.observe_cost(1, 1.0)
+        lk.observe_cost(3, 9.0)  # one 3-wide pass at a busy moment: 9 plain steps
+        for _ in range(30):
+            lk.observe(2, 2)  # both drafted tokens kept half the time
+            lk.observe(2, 0)
+        assert lk.draft_length(2) == 0  # 2 tokens for 9 steps (1.5 for 5): a plain step is better
+        for _ in range(STALE_PASSES + 1):  # plain steps only: nothing re-measures width 3
+            lk.observe_cost(1, 1.0)
+        assert (3 in lk.costs) is not forgets
+        assert lk.draft_length(2) == (2 if forgets else 0)  # priced like a plain step again (from width 1)
+    carried = VerifyCosts({1: 1.0, 4: 3.0})  # a server's table, carried to the next request
+    assert carried.seen == {1: 0, 4: 0} and dict(carried) == {1: 1.0, 4: 3.0}
+
+
 @pytest.fixture(scope="module")
 def llama_and_drafter(tiny_models, tmp_path_factory):
     path = tiny_models["llama"]

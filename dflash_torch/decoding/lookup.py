@@ -17,6 +17,31 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 UNSEEN_RATIO = 0.85  # prior: P(keep position k + 1 | kept k) for positions not yet checked
+# A verify width's measured cost is forgotten after this many passes without one of its width, so that it is priced
+# from the widths measured since (and tried again where that pays). Without it, one slow pass (a host's busy moment,
+# a collection) priced its width out for good: nothing re-measures a width that is never drafted (docs/performance.md,
+# "What a pass costs around its kernels").
+STALE_PASSES = 256
+
+
+class VerifyCosts(dict):
+    """Seconds per verify width (a dict of width -> seconds) that remembers when each width was last measured, for
+    `DraftPricing`: prompt lookup and the datastore share one, and a server carries it from request to request."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.passes = 0  # passes observed
+        self.seen: dict[int, int] = {w: 0 for w in self}  # width -> `passes` at its last measurement
+
+    def measure(self, width: int, seconds: float, decay: float) -> None:
+        """One pass of `width`: its moving average, then the widths not measured for STALE_PASSES passes forgotten
+        (a plain step's width 1 is measured whenever nothing drafts, and stays)."""
+        self.passes += 1
+        old = self.get(width)
+        self[width] = seconds if old is None else decay * old + (1 - decay) * seconds
+        self.seen[width] = self.passes
+        for w in [w for w, at in self.seen.items() if w != 1 and self.passes - at > STALE_PASSES]:
+            del self[w], self.seen[w]
 
 
 class DraftPricing:
@@ -33,7 +58,7 @@ class DraftPricing:
         self.max_draft, self.decay = max_draft, decay
         self.accepted = [0.0] * max_draft  # [k]: decayed count of drafts whose first k + 1 tokens were kept
         self.checked = [0.0] * max_draft
-        self.costs: dict[int, float] = {}  # verify width -> seconds per cycle (moving average)
+        self.costs: dict[int, float] = VerifyCosts()  # verify width -> seconds per cycle (moving average)
 
     def expected_tokens(self, width: int) -> float:
         """Expected committed tokens of a verify pass of `width` positions with a lookup draft."""
@@ -103,7 +128,11 @@ class DraftPricing:
                 self.accepted[k] = self.checked[k] = 0.0
 
     def observe_cost(self, width: int, seconds: float) -> None:
-        """Seconds of one verify pass of `width` positions (plain steps are width 1)."""
+        """Seconds of one verify pass of `width` positions (plain steps are width 1). A `VerifyCosts` table also
+        forgets the widths not measured for STALE_PASSES passes; a plain dict keeps every width's last average."""
+        if isinstance(self.costs, VerifyCosts):
+            self.costs.measure(width, seconds, self.decay)
+            return
         old = self.costs.get(width)
         self.costs[width] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ..decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrate
 from ..decoding.fallback import FallbackController
+from ..decoding.lookup import VerifyCosts
 from ..decoding.prefix_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DiskStore, PrefixCache
 from ..decoding.sampling import Sampler, TokenLogprobs
 from ..decoding.speculative import Stats, generate_tokens
@@ -222,7 +223,7 @@ class Engine:
         self.tokenizer_lock = threading.Lock()  # the handlers encode while the worker decodes
         self.target_s_per_token: float | None = None  # learned from target-only decoding, for the controller
         self.fallback_carry: dict | None = None  # the last request fell back: the next starts fallen back too
-        self.lookup_costs: dict[int, float] = {}  # seconds per verify width, measured by prompt lookup
+        self.lookup_costs = VerifyCosts()  # seconds per verify width, measured by prompt lookup
         self.adaptive: AdaptiveBlockSize | None = None  # the adaptive block size, shared by all requests
         self.reasoning = False  # reasoning parsing on (ServerConfig.reasoning_parser, decided at load)
         # caches of finished requests: a conversation's next turn prefills only what is new

@@ -4,13 +4,14 @@ LM head rows), the offers, the draft, the commit and the proposers' bookkeeping,
 decoding's step. The loop is `speculative._speculate` with timers between its statements (the same calls in the
 same order); each suite's first prompt, the second of two runs (the first warms the controllers).
 
-    python tools/probes/loop_phases_probe.py
+    python tools/probes/loop_phases_probe.py [--widths]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import time
 
 import torch
@@ -24,6 +25,7 @@ from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import load
 
 T: dict[str, float] = collections.defaultdict(float)
+W: dict[tuple, list[float]] = collections.defaultdict(list)  # (width, tree, source) -> each verify's seconds
 
 
 def timed_speculate(target, token, cache, proposers, rules, taps, max_new_tokens, stops, stats, logprobs):
@@ -65,6 +67,7 @@ def timed_speculate(target, token, cache, proposers, rules, taps, max_new_tokens
         T["offers"] += t1 - t_cycle
         T["draft"] += t2 - t1
         T["verify"] += t3 - t2
+        W[draft.width, draft.parents is not None, getattr(draft.source, "name", "plain")].append(t3 - t2)
         T["commit"] += now - t3
         T["observe, record"] += t4 - now
         T["passes"] += 1
@@ -78,26 +81,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--widths", action="store_true", help="also each kind of pass's verify time (width, source)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
     S._speculate = timed_speculate
     p = load(draft="auto", quantize="auto", quiet=True)
-    forward = p.target.forward
+    flat_pass = p.target._flat  # the pass itself, which the loops call (speculative._runner) or forward does
 
-    def timed_forward(*args, **kw):
+    def timed_pass(*args, **kw):
         t = time.perf_counter()
-        out = forward(*args, **kw)
+        out = flat_pass(*args, **kw)
         T["forward"] += time.perf_counter() - t
         return out
 
-    p.target.forward = timed_forward
+    p.target._flat = timed_pass
     adaptive, carry, costs = AdaptiveBlockSize(dict(calibrated(p)), p.drafter.block_size), None, {}
     print("ms per pass; verify includes the forward")
     for suite, prompts in collect_prompts("all", None, 1).items():
         ids = encode(p, prompts[0])
         for _ in range(2):
             T.clear()
+            W.clear()
             st, fallback = Stats(), FallbackController(carried=carry)
             list(generate_tokens(p.target, ids, max_new_tokens=a.tokens, drafter=p.drafter, stop_token_ids=[],
                                  stats=st, controller=WithFallback(fallback, adaptive), lookup=True,
@@ -111,6 +116,10 @@ def main() -> None:
         steps = a.tokens - 1
         print(f"{suite:9s} {n:.0f} passes, {st.decode_s / n * 1e3:.3f} ms a pass ({parts}); target-only "
               f"{ref.decode_s / steps * 1e3:.3f} ms a step (forward {T['forward'] / steps * 1e3:.3f})", flush=True)
+        if a.widths:  # each kind of pass's verify, median ms (count) and over the target-only step
+            step = ref.decode_s / steps
+            print("  " + "; ".join(f"{w}{' tree' if tree else ''} {src} {statistics.median(v) * 1e3:.2f} ({len(v)}, "
+                                   f"{statistics.median(v) / step:.2f})" for (w, tree, src), v in sorted(W.items())))
 
 
 if __name__ == "__main__":
