@@ -18,6 +18,7 @@ from dflash_torch.bench_prompts import collect_prompts, encode
 from dflash_torch.decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrated
 from dflash_torch.decoding.datastore import Datastore
 from dflash_torch.decoding.fallback import FallbackController
+from dflash_torch.decoding.lookup import VerifyCosts
 from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import load
 
@@ -25,7 +26,8 @@ from dflash_torch.generate import load
 def serve_arm(p) -> dict:
     """One arm's state, carried from prompt to prompt as a server carries it: the adaptive width (calibrated on
     `p`), the fallback's carried verdict, prompt lookup's measured verify costs."""
-    return {"adaptive": AdaptiveBlockSize(dict(calibrated(p)), p.drafter.block_size), "carry": None, "costs": {}}
+    return {"adaptive": AdaptiveBlockSize(dict(calibrated(p)), p.drafter.block_size), "carry": None,
+            "costs": VerifyCosts()}
 
 
 def serve_reply(p, ids: list[int], tokens: int, arm: dict) -> tuple[list[int], Stats]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from dflash_torch.bench_prompts import collect_prompts, encode
+from dflash_torch.decoding.lookup import VerifyCosts
 from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import load
 
@@ -22,7 +23,7 @@ def main() -> None:
     torch.set_num_threads(2)
     pipe = load(None, None, "cpu", "float32", quiet=True, quantize="int4")
     prompts = [encode(pipe, p) for ps in collect_prompts("all", None, 3).values() for p in ps]
-    shared: dict[int, float] = {}
+    shared = VerifyCosts()
 
     def run(ids: list[int], costs: dict | None, n: int = 128) -> tuple[list[int], float]:
         stats = Stats()

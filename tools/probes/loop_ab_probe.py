@@ -52,7 +52,7 @@ def side(pkg: str, p) -> dict:
     mods = {m: importlib.import_module(f"{pkg}.decoding.{m}") for m in ("speculative", "adaptive", "fallback")}
     new_adaptive = importlib.import_module("dflash_torch.decoding.adaptive")
     mods["controller"] = mods["adaptive"].AdaptiveBlockSize(dict(new_adaptive.calibrated(p)), p.drafter.block_size)
-    mods["carry"], mods["costs"] = None, {}
+    mods["carry"], mods["costs"] = None, importlib.import_module(f"{pkg}.decoding.lookup").VerifyCosts()
     return mods
 
 

@@ -20,6 +20,7 @@ from dflash_torch.bench_prompts import collect_prompts, encode
 from dflash_torch.decoding import speculative as S
 from dflash_torch.decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrated
 from dflash_torch.decoding.fallback import FallbackController
+from dflash_torch.decoding.lookup import VerifyCosts
 from dflash_torch.decoding.proposers import plain_step, ranked
 from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import load
@@ -96,7 +97,7 @@ def main() -> None:
         return out
 
     p.target._flat = timed_pass
-    adaptive, carry, costs = AdaptiveBlockSize(dict(calibrated(p)), p.drafter.block_size), None, {}
+    adaptive, carry, costs = AdaptiveBlockSize(dict(calibrated(p)), p.drafter.block_size), None, VerifyCosts()
     print("ms per pass; verify includes the forward")
     for suite, prompts in collect_prompts("all", None, 1).items():
         ids = encode(p, prompts[0])

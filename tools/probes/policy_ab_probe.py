@@ -20,6 +20,7 @@ import torch
 from dflash_torch.bench_prompts import collect_prompts, encode
 from dflash_torch.decoding.adaptive import AdaptiveBlockSize, WithFallback, calibrated
 from dflash_torch.decoding.fallback import FallbackController
+from dflash_torch.decoding.lookup import VerifyCosts
 from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import load
 
@@ -63,7 +64,7 @@ def main() -> None:
         raise SystemExit(f"policy_ab_probe: unknown arm(s) {', '.join(bad)}: defaults, adaptive, fixedN, nodrafter")
     p = load(draft="auto", quantize="auto", quiet=True)
     arms = {n: {"adaptive": AdaptiveBlockSize(dict(calibrated(p)), p.drafter.block_size), "carry": None,
-                "costs": {}, "ratios": []} for n in names}
+                "costs": VerifyCosts(), "ratios": []} for n in names}
     equal, k = True, 0
     for suite, prompts in collect_prompts("all", None, a.limit).items():
         for prompt in prompts:
