@@ -291,9 +291,9 @@ class Model(nn.Module):
 
     def flat_serves(self) -> bool:
         """Whether `forward` takes the flat path for every pass of one sequence (no window; every query through
-        the attention kernel), so that a loop may call `_flat` itself: after a pass's matmuls have gone through
-        the caches, nn.Module's call and forward's checks cost 0.1-0.15 ms of each step (docs/performance.md,
-        "What a decode step costs around its kernels")."""
+        the attention kernel), so that a loop may call `_flat` itself: right after a pass's matmuls, with the
+        caches cold, nn.Module's call and forward's checks cost tens of microseconds (docs/performance.md, "What a
+        pass costs around its kernels")."""
         return self.flat and not self.config.sliding_window and self.model.layers[0].self_attn.exact_kernel
 
     def verifies_trees(self, t: int) -> bool:

@@ -255,9 +255,9 @@ class BlockEmbedding(nn.Module):
 
     def rows(self, ids: list[int]) -> torch.Tensor:
         """The rows [T, H] of token ids as `forward` gives them, for a flat pass's few tokens: one token's is
-        the kept row itself (read-only: the layers never write their input), several are joined. After a
-        decode step's matmuls have gone through the caches, `forward`'s small operators cost about 0.15 ms of
-        each step (docs/performance.md, "What a decode step costs around its kernels")."""
+        the kept row itself (read-only: the layers never write their input), several are joined: fewer small
+        operators than `forward`'s, which right after a pass's matmuls, with the caches cold, cost several times
+        what they cost warm (docs/performance.md, "What a pass costs around its kernels")."""
         cache = self.__dict__.setdefault("_kept", {})  # token id -> [1, H] of the table's dtype
         if len(cache) * self.embedding_dim * 4 > self.ROW_CACHE_BYTES:
             cache.clear()

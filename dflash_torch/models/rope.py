@@ -97,9 +97,9 @@ class Rotary(torch.nn.Module):
     def rows(self, start: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`span`'s rows as [T, 1, D] (one head axis, as the flat paths take them), and the signed sine
         [-sin1, sin2] that `flat.rotate` and the kernels take (`flat.signed` of the same rows: a negation, so the
-        same bits). Three slices of kept tables: after a decode step's matmuls have gone through the caches,
-        the eight small operators these took cost about a tenth of a millisecond (docs/performance.md, "What
-        a decode step costs around its kernels")."""
+        same bits). Three slices of kept tables instead of the eight small operators these took, which right after
+        a pass's matmuls, with the caches cold, cost several times what they cost warm (docs/performance.md,
+        "What a pass costs around its kernels")."""
         table = self._table(end, dtype)
         return table[2][start:end], table[3][start:end], table[4][start:end]
 
