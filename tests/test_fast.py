@@ -355,6 +355,10 @@ def test_static_shapes_keep_speculative_equal_to_target_only(pair, tiny_models):
         GraphedTarget(target.target)
     with pytest.raises(ValueError, match="overflow"):
         target(torch.tensor([[1] * 300]), target.new_cache(10))
+    from dflash_torch.decoding import speculative
+
+    plain.flat_serves = lambda: True  # even where the wrapped model's flat path would serve every pass,
+    assert speculative._runner(target) != plain._flat  # the loops call the wrapper (its graphs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -52,6 +52,10 @@ class GraphedTarget:
     def __getattr__(self, name: str):
         return getattr(self.target, name)
 
+    def flat_serves(self) -> bool:
+        """Never: the loops must call this wrapper (its graphs), not the wrapped model's flat path."""
+        return False
+
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         """The one cache the graphs read and write, rewound; reallocated (graphs dropped) if too small."""
         if batch != 1:
