@@ -7,7 +7,8 @@ the speed of each over the same prompt's target-only decoding, and every output 
 
 Arms: `defaults` (WithFallback(FallbackController, AdaptiveBlockSize)), `adaptive` (the adaptive width alone),
 `fixedN` (the drafter at width N every cycle the free proposers do not take), `nodrafter` (prompt lookup and the
-datastore only).
+datastore only), `frozencosts` (the defaults with prompt lookup's verify costs in a plain dict, which never forgets
+a width's time: before `lookup.VerifyCosts`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Fixed:
 
 
 def controller(name: str, p, arm: dict):
-    if name == "defaults":
+    if name in ("defaults", "frozencosts"):
         return WithFallback(FallbackController(carried=arm.get("carry")), arm["adaptive"])
     if name == "adaptive":
         return arm["adaptive"]
@@ -58,13 +59,14 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
     names = a.arms.split(",")
-    bad = [n for n in names if n not in ("defaults", "adaptive", "nodrafter")
+    bad = [n for n in names if n not in ("defaults", "adaptive", "nodrafter", "frozencosts")
            and not (n.startswith("fixed") and n[5:].isdigit() and int(n[5:]) >= 1)]
     if bad:
-        raise SystemExit(f"policy_ab_probe: unknown arm(s) {', '.join(bad)}: defaults, adaptive, fixedN, nodrafter")
+        raise SystemExit(f"policy_ab_probe: unknown arm(s) {', '.join(bad)}: defaults, adaptive, fixedN, nodrafter, "
+                         "frozencosts")
     p = load(draft="auto", quantize="auto", quiet=True)
     arms = {n: {"adaptive": AdaptiveBlockSize(dict(calibrated(p)), p.drafter.block_size), "carry": None,
-                "costs": VerifyCosts(), "ratios": []} for n in names}
+                "costs": {} if n == "frozencosts" else VerifyCosts(), "ratios": []} for n in names}
     equal, k = True, 0
     for suite, prompts in collect_prompts("all", None, a.limit).items():
         for prompt in prompts:
@@ -80,7 +82,7 @@ def main() -> None:
                 st = Stats()
                 out = list(generate_tokens(p.target, ids, max_new_tokens=a.tokens, drafter=p.drafter, stop_token_ids=[],
                                            stats=st, controller=c, lookup=True, lookup_costs=arm["costs"]))
-                if n == "defaults":
+                if n in ("defaults", "frozencosts"):
                     arm["carry"] = c.fallback.carry()
                 equal &= out == ref
                 arm["ratios"].append(st.decode_tok_s / base)
