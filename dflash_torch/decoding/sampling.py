@@ -66,6 +66,14 @@ def accept_greedy(draft: list[int], target_choice: list[int]) -> int:
     return k
 
 
+def verify_greedy(draft: list[int], logits: torch.Tensor) -> tuple[int, int]:
+    """(drafts kept, the target's next token) for draft [K] against the argmax of the target's logits [>= K + 1, V]
+    at the block positions, compared as lists."""
+    choice = kernels.argmax(logits).tolist()
+    accepted = accept_greedy(draft, choice)
+    return accepted, choice[accepted]
+
+
 @dataclass
 class Sampler:
     """Sampling settings for one request. temperature 0 means greedy."""
@@ -189,9 +197,7 @@ class Sampler:
         """(number of draft tokens kept, the target's next token) for draft [K] and the target's
         logits [K + 1, V] at the block positions."""
         if self.greedy:
-            choice = kernels.argmax(target_logits).tolist()
-            accepted = accept_greedy(draft.tolist(), choice)
-            return accepted, choice[accepted]
+            return verify_greedy(draft.tolist(), target_logits)
         p = self.probs(target_logits)  # [K + 1, V]
         k = draft.shape[0]
         if k == 0:

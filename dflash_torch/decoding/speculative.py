@@ -23,7 +23,7 @@ from .. import kernels
 from . import trees
 from .prefix_cache import PrefixCache, Session, capacity_for
 from .proposers import DatastoreProposer, DrafterProposer, ForcedProposer, LookupProposer, plain_step, ranked
-from .sampling import History, Sampler, TokenLogprobs, accept_greedy
+from .sampling import History, Sampler, TokenLogprobs, verify_greedy
 from .structured import Constraint
 
 
@@ -397,22 +397,19 @@ def _accept(target, out, draft, rules: Rules) -> tuple[list[int], int, torch.Ten
     greedy = rules.sampler.greedy and rules.history is None and rules.constraint is None
     if out.final is None:
         logits = out.logits[0]
-        if greedy:  # the argmax's choices against the drafts, as lists (`Sampler.verify` compares the same)
-            choice = kernels.argmax(logits).tolist()
-            accepted = accept_greedy(draft.token_list()[1:], choice)
-            return list(range(accepted + 1)), choice[accepted], logits
+        if greedy:  # `Sampler.verify`'s greedy comparison, on the draft's token list
+            accepted, bonus = verify_greedy(draft.token_list()[1:], logits)
+            return list(range(accepted + 1)), bonus, logits
         drafts = draft.block[0, 1:]
         accepted, bonus = rules.sampler.verify(drafts, rules.logits(logits, drafts), draft.probs)
         return list(range(accepted + 1)), bonus, logits
     n, drafts = HEAD_FIRST_ROWS, draft.token_list()[1:]  # (deferred heads are greedy only: `_defers_head`)
     logits = target.head(out.final[:n])  # [n, V]
-    choice = kernels.argmax(logits).tolist()
-    accepted = accept_greedy(drafts[: n - 1], choice)
-    if accepted == n - 1 and drafts[n - 1] == choice[accepted]:  # the first n drafts kept: the others are read
+    accepted, bonus = verify_greedy(drafts[: n - 1], logits)
+    if accepted == n - 1 and drafts[n - 1] == bonus:  # the first n drafts kept: the others are read
         logits = torch.cat([logits, target.head(out.final[n:])])
-        choice = kernels.argmax(logits).tolist()
-        accepted = accept_greedy(drafts, choice)
-    return list(range(accepted + 1)), choice[accepted], logits
+        accepted, bonus = verify_greedy(drafts, logits)
+    return list(range(accepted + 1)), bonus, logits
 
 
 def _device(target) -> torch.device:

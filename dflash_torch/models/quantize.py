@@ -242,7 +242,6 @@ class BlockEmbedding(nn.Module):
 
     def _apply(self, fn, recurse=True):  # moved or cast: the kept rows would be stale
         self.__dict__.pop("_rows", None)
-        self.__dict__.pop("_kept", None)
         return super()._apply(fn, recurse)
 
     def _dequantize(self, flat_ids: torch.Tensor) -> torch.Tensor:
@@ -254,39 +253,31 @@ class BlockEmbedding(nn.Module):
         return pack.dequantize(raw, self.fmt)  # [n, H] float32
 
     def rows(self, ids: list[int]) -> torch.Tensor:
-        """The rows [T, H] of token ids as `forward` gives them, for a flat pass's few tokens: one token's is
-        the kept row itself (read-only: the layers never write their input), several are joined: fewer small
-        operators than `forward`'s, which right after a pass's matmuls, with the caches cold, cost several times
-        what they cost warm (docs/performance.md, "What a pass costs around its kernels")."""
-        cache = self.__dict__.setdefault("_kept", {})  # token id -> [1, H] of the table's dtype
-        if len(cache) * self.embedding_dim * 4 > self.ROW_CACHE_BYTES:
-            cache.clear()
-        got = []
-        for t in ids:
-            row = cache.get(t)
-            if row is None:
-                row = cache[t] = self._dequantize(torch.tensor([t])).to(self.weight.dtype)
-            got.append(row)
-        return got[0] if len(got) == 1 else torch.cat(got)
+        """The rows [T, H] of token ids, in the table's dtype, from the rows kept from earlier lookups (a decode
+        step looks up one token and a verify pass a few, where a lookup is ~20 small tensor operations): one
+        token's is the kept row itself (read-only: the layers never write their input), several are joined. Right
+        after a pass's matmuls, with the caches cold, small operators cost several times what they cost warm
+        (docs/performance.md, "What a pass costs around its kernels"). The same values as a fresh lookup."""
+        cache = self.__dict__.setdefault("_rows", {})  # token id -> [1, H] (not state: not saved)
+        got = {t: cache[t] for t in dict.fromkeys(ids) if t in cache}  # each id once, in order
+        missing = [t for t in dict.fromkeys(ids) if t not in got]
+        if missing:
+            new = self._dequantize(torch.tensor(missing, dtype=torch.long)).to(self.weight.dtype)  # [n, H]
+            got.update(zip(missing, new.split(1)))
+            limit = max(self.SMALL_LOOKUP, self.ROW_CACHE_BYTES // (4 * self.embedding_dim))
+            while cache and len(cache) + len(missing) > limit:  # the oldest first (this call's rows are in `got`)
+                cache.pop(next(iter(cache)))
+            cache.update((t, got[t]) for t in missing)
+        return got[ids[0]] if len(ids) == 1 else torch.cat([got[t] for t in ids])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat_ids = ids.reshape(-1).cpu()
-        if flat_ids.numel() > self.SMALL_LOOKUP:
-            rows = self._dequantize(flat_ids)
-        else:
-            cache = self.__dict__.setdefault("_rows", {})  # token id -> [H] float32 (not state: not saved)
-            keys = flat_ids.tolist()
-            wanted = dict.fromkeys(keys)  # each id once, in order
-            got = {t: cache[t] for t in wanted if t in cache}
-            missing = [t for t in wanted if t not in got]
-            if missing:
-                got.update(zip(missing, self._dequantize(torch.tensor(missing, dtype=torch.long)).unbind(0)))
-                limit = max(self.SMALL_LOOKUP, self.ROW_CACHE_BYTES // (4 * self.embedding_dim))
-                while len(cache) + len(missing) > limit:  # the oldest first (rows of this call too: `got` has them)
-                    cache.pop(next(iter(cache)))
-                cache.update((t, got[t]) for t in missing)
-            rows = torch.stack([got[t] for t in keys])  # a new tensor: callers never hold the cached rows
-        return rows.to(self.weight.dtype).view(*ids.shape, self.embedding_dim)
+        if flat_ids.numel() > self.SMALL_LOOKUP:  # prefills dequantize in one go
+            rows = self._dequantize(flat_ids).to(self.weight.dtype)
+        else:  # a new tensor: callers never hold the kept rows
+            rows = self.rows(flat_ids.tolist())
+            rows = rows.clone() if flat_ids.numel() == 1 else rows
+        return rows.view(*ids.shape, self.embedding_dim)
 
 
 def block_fits(linear: nn.Module) -> bool:
