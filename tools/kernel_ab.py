@@ -5,7 +5,7 @@ format and row count: the best of 9 rounds of each, old -> new microseconds and 
 give the same bits (checked on every cell).
 
     python tools/kernel_ab.py REV [--threads 2] [--formats q4_0,q4_1,q8_0] [--rows 1,4,8,16]
-                              [--isa -1] [--new-isa -1] [--mb 24] [--shapes qkv,o] [--json FILE]
+                              [--isa -1] [--new-isa -1] [--mb 24] [--shapes qkv,o,4096x4096] [--json FILE]
 
 --isa picks the instruction set of the old build (-1: its own choice per call; 1 avx2, 2 vnni, 3 amx), --new-isa
 that of the new one (default: the same), e.g. `--isa 2 --new-isa 3` times VNNI against AMX. REV `.` times the
@@ -68,6 +68,20 @@ def build_old(rev: str) -> object:
     return getattr(torch.ops, name).block_mm
 
 
+def shapes(spec: str | None) -> list[tuple[str, int, int]]:
+    """The (name, out, in) matrices to time: the default model's layers named in spec, and spec's NxK entries."""
+    if not spec:
+        return SHAPES
+    out = []
+    for item in spec.split(","):
+        if "x" in item:
+            n, k = (int(v) for v in item.split("x"))
+            out.append((item, n, k))
+        else:
+            out += [s for s in SHAPES if s[0] == item]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rev", help="git revision of the old kernels (or a blocks.cpp file; `.`: the working tree's)")
@@ -77,7 +91,8 @@ def main() -> int:
     ap.add_argument("--isa", type=int, default=-1, help="old build's instruction set (-1: its choice)")
     ap.add_argument("--new-isa", type=int, default=None, help="new build's (default: --isa)")
     ap.add_argument("--mb", type=int, default=24, help="MB of weights (as q4_0) cycled per cell (default 24)")
-    ap.add_argument("--shapes", default=None, help="layer names to time (default: all)")
+    ap.add_argument("--shapes", default=None,
+                    help="layer names to time, and/or other matrices as NxK (out x in); default: all the layers")
     ap.add_argument("--json", default=None, help="also write the cells here")
     args = ap.parse_args()
     from dflash_torch import kernels
@@ -91,9 +106,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     cells = []
     print(f"threads {args.threads}; us per call, old -> new (ratio), best of 9 alternating rounds")
-    for name, n, k in SHAPES:
-        if args.shapes and name not in args.shapes.split(","):
-            continue
+    for name, n, k in shapes(args.shapes):
         w = torch.randn(n, k, generator=gen)
         copies = max(1, args.mb * 2**24 // (9 * n * k))  # --mb MB of q4_0 blocks (18 bytes per 32 values)
         for fmt in args.formats.split(","):

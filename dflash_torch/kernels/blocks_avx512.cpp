@@ -22,6 +22,28 @@ namespace {
                      _mm256_loadu_si256((const __m256i*)((p1) + (off))), 1)
 
 
+// Prefetch for block b of a pair of column groups whose records lie one after the other from w0 (group g's nb
+// records, then group g + 1's; the next pair's after them): each group's stream PF blocks ahead, and where that
+// passes the end of its group, the same block of the next pair's group. Each stream's plain PF ahead
+// (prefetch_ahead) ran into the other group's records once nb > PF, so the second group's first PF blocks were
+// never fetched ahead of their loads (inputs over 1,024: the default model's down projection, every matrix of
+// larger models; docs/performance.md, "What is left in the kernels on AMD Zen 4"). With nb <= PF both ways fetch
+// the same records.
+__attribute__((always_inline)) inline void prefetch_pair(const uint8_t* w0, int64_t b, int64_t nb, int64_t gb) {
+  if (nb <= PF) {
+    prefetch_ahead(w0 + b * gb, gb);
+    prefetch_ahead(w0 + (nb + b) * gb, gb);
+    return;
+  }
+  const int64_t v = b + PF, pair = v / nb, at = v % nb;
+  const uint8_t* a0 = w0 + (2 * pair * nb + at) * gb;  // group g's stream (pair > 0: the next pair's first group)
+  const uint8_t* a1 = a0 + nb * gb;                    // group g + 1's
+  for (int64_t off = 0; off < gb; off += 64) {
+    _mm_prefetch((const char*)(a0 + off), _MM_HINT_T0);
+    _mm_prefetch((const char*)(a1 + off), _MM_HINT_T0);
+  }
+}
+
 template <int64_t fmt, int R>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) void vnni_rows(
     const uint8_t* w0, const uint8_t* w1, int64_t nb, const Rows& x, int64_t r0, float* out) {
@@ -33,8 +55,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* e0 = w0 + b * gb;
     const uint8_t* e1 = w1 + b * gb;
-    prefetch_ahead(e0, gb);  // both streams
-    prefetch_ahead(e1, gb);
+    prefetch_pair(w0, b, nb, gb);
 #define DFLASH_HALVES(off)                                                                          \
   _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(e0 + (off)))), \
                                           _mm_loadu_si128((const __m128i*)(e1 + (off))), 1))
@@ -239,6 +260,7 @@ struct AmxTile {
   int64_t slots;      // all ones where later row tiles reuse every block; else 15, a ring of 16 blocks
   float* dws;         // [nb, 16] weight scales
   float* mws;         // [nb, 16] Q4_1 minimums
+  int64_t nb;         // blocks per column group
 };
 
 // unpack block b: the 16 columns' scales (and minimums) to floats, Q4's nibbles spread to bytes (Q4_0:
@@ -249,8 +271,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"), always_inline)
   const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
   const uint8_t* e0 = t.w0 + b * gb;
   const uint8_t* e1 = t.w1 + b * gb;
-  prefetch_ahead(e0, gb);  // both streams
-  prefetch_ahead(e1, gb);
+  prefetch_pair(t.w0, b, t.nb, gb);
   const __m128i h0 = _mm_loadu_si128((const __m128i*)e0);
   const __m128i h1 = _mm_loadu_si128((const __m128i*)e1);
   _mm512_store_ps(t.dws + 16 * b, _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1)));
@@ -355,7 +376,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-ti
   for (int64_t t = t0; t < t1; t++) {  // a tile of 16 output columns: groups 2t and 2t + 1
     const int64_t g0 = 2 * t, cols = std::min<int64_t>(2 * GROUP, n - g0 * GROUP);
     const AmxTile tile{wp + g0 * gstride, g0 + 1 < groups ? wp + (g0 + 1) * gstride : zeros.data(), bt, slots,
-                       dws, dws + 16 * nb};
+                       dws, dws + 16 * nb, nb};
     for (int64_t r0 = 0; r0 < m; r0 += tr) {
       const int64_t rows = std::min<int64_t>(tr, m - r0);
       amx_rows_n<fmt>(rows, x, r0, nb, tile, r0 == 0, acc);
