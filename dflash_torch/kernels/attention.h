@@ -25,6 +25,15 @@ constexpr float C0 = 1.9875691500e-4f, C1 = 1.3981999507e-3f, C2 = 8.3334519073e
 
 // keys and values are walked in blocks of KB that stay in L1 while every query of a tile uses them
 constexpr int64_t KB = 64;
+constexpr int64_t VALUES_AHEAD = 16;  // value rows fetched ahead of the split's output sums
+
+#ifdef DFLASH_X86
+// the cache lines of one cached row (bytes long) fetched ahead: a pass's weights have just evicted the cache, and
+// the kernels' reads of it otherwise wait on memory block by block
+__attribute__((always_inline)) inline void prefetch_row(const void* row, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(row) + off, _MM_HINT_T0);
+}
+#endif
 
 #ifdef DFLASH_X86
 #define DFLASH_AVX2 __attribute__((target("avx2,fma,f16c")))

@@ -230,9 +230,10 @@ DFLASH_AVX512 void tile_avx512(const float* const* q, const int64_t* n, int coun
 // keys j0 .. j0 + m - 1 (m <= KB) into kp [KB / 2][dv][16]: pair i's chunk c holds chunk c of keys j0 + 2i
 // and j0 + 2i + 1; zeros past m, up to the next multiple of 8 keys
 template <int dv, typename KV>
-DFLASH_AVX512 void pair_keys(const KV* k, int64_t ks, int64_t j0, int64_t m, float* kp) {
+DFLASH_AVX512 void pair_keys(const KV* k, int64_t ks, int64_t j0, int64_t m, float* kp, bool ahead = false) {
   const int64_t m8 = (m + 7) / 8 * 8;
   for (int64_t j = 0; j < m8; j++) {
+    if (ahead) prefetch_row(k + (j0 + j + KB) * ks, 8 * dv * (int64_t)sizeof(KV));  // the next block's key j
     float* dst = kp + (j / 2) * dv * 16 + (j % 2) * 8;
     for (int64_t c = 0; c < dv; c++)
       _mm256_store_ps(dst + 16 * c, j < m ? load8(k + (j0 + j) * ks + 8 * c) : _mm256_setzero_ps());
@@ -308,7 +309,7 @@ DFLASH_AVX512 void split_scores(int64_t i0, int64_t i1, const float* q, const at
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t i = i0; i < i1; i++) {
     const int64_t g = i / blocks, jb = (i % blocks) * KB;
-    pair_keys<dv>(k + g * khs, ks, jb, std::min(KB, nmax - jb), kp);
+    pair_keys<dv>(k + g * khs, ks, jb, std::min(KB, nmax - jb), kp, true);
     for (int64_t p = 0; p < t; p++) {
       if (jb >= n + p) continue;
       const int64_t lim = std::min(KB, n + p - jb);
@@ -329,6 +330,7 @@ DFLASH_AVX512 inline void values16(const at::Half* vg, int64_t vs, const int64_t
   const int64_t lo = *std::min_element(n, n + C), hi = *std::max_element(n, n + C);
   int64_t j = 0;
   for (; j < lo; j++) {  // keys every query attends to
+    prefetch_row(vg + (j + VALUES_AHEAD) * vs, 32 * NV);
     __m512 vv[NV];
     for (int e = 0; e < NV; e++)
       vv[e] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vg + j * vs + 16 * e)));

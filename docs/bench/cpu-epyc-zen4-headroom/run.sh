@@ -25,3 +25,8 @@ python tools/kernel_ab.py 9169b6b --isa 2 --rows 1,6,8,16 --formats q4_0,q4_1,q8
     --shapes down,4096x4096,1536x4096,4096x1536 > $D/prefetch_pair_large_k.txt
 # decode_threads.txt: perf record -e cpu-clock -F 4000 -p PID -- sleep 8 on tools/probes/steady_pass_probe.py --rows 1
 # --quantize auto and on python $D/gen_loop.py 26, each 10-12 s after its start; perf report --sort pid,dso --stdio
+
+# The split attention's prefetch, against 43a2648's attention files built beside it, and in the model against a worktree
+# of 43a2648 with its own DFLASH_HOME (old and new in turn, four rounds):
+python tools/probes/attention_ab.py 43a2648 --starts 300,512,700,1008,2032,4064 --rows 1,2,4,8 --layers 30 --rounds 9 > $D/attention_prefetch.txt
+#   dflash profile --quantize auto --context 1000 --sizes 2,4 --no-draft --repeats 60 --json  -> attention_prefetch_profile.txt
