@@ -510,9 +510,12 @@ DecodePlan decode_plan(const DecodeCache& c, int64_t start, int64_t h) {
   DecodePlan p{1, {decode_tasks(h, c.hkv), 0, 0}, 0, nullptr, nullptr};
 #ifdef DFLASH_X86
   // where causal_attention splits a decode step by keys (a float16 cache on the AVX-512 path, from 512 keys)
-  thread_local std::vector<float> scores, z;  // the calling thread's, zeroed as decode_split's
+  // the calling thread's, kept between calls and only grown: every score and sum a step reads, the layer's earlier
+  // steps wrote (as the verify region's scratch), so nothing is zeroed (it was 40 KB a layer after 1,000 keys)
+  thread_local std::vector<float> scores, z;
   if (c.half && attention_isa() == 2 && start + 1 >= 512 && split_tasks(c.d, start + 1, 1, h, c.hkv, p.tasks, p.stride)) {
-    scores.assign(h * p.stride, 0.f), z.assign(h, 0.f);
+    if ((int64_t)scores.size() < h * p.stride) scores.resize(h * p.stride);
+    if ((int64_t)z.size() < h) z.resize(h);
     p.steps = 3, p.scores = scores.data(), p.z = z.data();
   }
 #endif

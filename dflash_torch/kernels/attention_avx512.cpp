@@ -407,8 +407,9 @@ template <int dv>
 void decode_split(const float* q, const at::Half* k, int64_t ks, int64_t khs, const at::Half* v, int64_t vs,
                   int64_t vhs, int64_t n, int64_t t, int64_t h, int64_t hkv, float scale, float* out) {
   const int64_t group = h / hkv, blocks = (n + t - 1 + KB - 1) / KB, stride = blocks * KB + 16;
-  thread_local std::vector<float> scores, z;  // the calling thread's, kept between calls (zeroed as new ones)
-  scores.assign(t * h * stride, 0.f), z.assign(t * h, 0.f);
+  thread_local std::vector<float> scores, z;  // the calling thread's, kept between calls and only grown (every
+  if ((int64_t)scores.size() < t * h * stride) scores.resize(t * h * stride);  // score a step reads, an earlier wrote)
+  if ((int64_t)z.size() < t * h) z.resize(t * h);
   float *sp = scores.data(), *zp = z.data();
   at::parallel_for(0, hkv * blocks, 1, [&](int64_t i0, int64_t i1) {
     split_scores<dv>(i0, i1, q, k, ks, khs, n, t, h, group, scale, sp, stride);

@@ -30,3 +30,5 @@ python tools/kernel_ab.py 9169b6b --isa 2 --rows 1,6,8,16 --formats q4_0,q4_1,q8
 # of 43a2648 with its own DFLASH_HOME (old and new in turn, four rounds):
 python tools/probes/attention_ab.py 43a2648 --starts 300,512,700,1008,2032,4064 --rows 1,2,4,8 --layers 30 --rounds 9 > $D/attention_prefetch.txt
 #   dflash profile --quantize auto --context 1000 --sizes 2,4 --no-draft --repeats 60 --json  -> attention_prefetch_profile.txt
+# The split's scratch without zeroing, against a50e065:
+python tools/probes/attention_ab.py a50e065 --starts 512,1008,2032,4064 --rows 1,2,4,8 --layers 30 --rounds 9 > $D/split_scratch.txt
