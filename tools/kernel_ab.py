@@ -72,13 +72,18 @@ def shapes(spec: str | None) -> list[tuple[str, int, int]]:
     """The (name, out, in) matrices to time: the default model's layers named in spec, and spec's NxK entries."""
     if not spec:
         return SHAPES
-    out = []
+    out, names = [], [s[0] for s in SHAPES]
     for item in spec.split(","):
-        if "x" in item:
-            n, k = (int(v) for v in item.split("x"))
-            out.append((item, n, k))
-        else:
+        if item in names:
             out += [s for s in SHAPES if s[0] == item]
+            continue
+        try:
+            n, k = (int(v) for v in item.split("x"))
+        except ValueError:
+            raise SystemExit(f"kernel_ab: --shapes {item!r}: a layer name ({', '.join(names)}) or NxK") from None
+        if n < 1 or k < 32 or k % 32:
+            raise SystemExit(f"kernel_ab: --shapes {item!r}: N >= 1 outputs and K a multiple of 32 inputs")
+        out.append((item, n, k))
     return out
 
 

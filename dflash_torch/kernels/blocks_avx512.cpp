@@ -35,8 +35,9 @@ __attribute__((always_inline)) inline void prefetch_pair(const uint8_t* w0, int6
     prefetch_ahead(w0 + (nb + b) * gb, gb);
     return;
   }
-  const int64_t v = b + PF, pair = v / nb, at = v % nb;
-  const uint8_t* a0 = w0 + (2 * pair * nb + at) * gb;  // group g's stream (pair > 0: the next pair's first group)
+  // b < nb and PF < nb here, so b + PF lies in this pair's group or in the next pair's (no division per block)
+  const int64_t v = b + PF, at = v < nb ? v : nb + v;  // records from w0: this pair's block v, or the next's v - nb
+  const uint8_t* a0 = w0 + at * gb;                    // group g's stream (or the next pair's first group)
   const uint8_t* a1 = a0 + nb * gb;                    // group g + 1's
   for (int64_t off = 0; off < gb; off += 64) {
     _mm_prefetch((const char*)(a0 + off), _MM_HINT_T0);
