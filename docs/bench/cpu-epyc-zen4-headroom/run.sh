@@ -1,4 +1,4 @@
-# The measurements of docs/performance.md "What is left in the kernels on AMD Zen 4 (at 9169b6b and 58705cc)", from
+# The measurements of docs/performance.md "What is left in the kernels on AMD Zen 4", from
 # the repository root on a clean tree at 9169b6b: each patch is applied, measured and taken off again.
 set -e
 D=docs/bench/cpu-epyc-zen4-headroom
@@ -32,3 +32,6 @@ python tools/probes/attention_ab.py 43a2648 --starts 300,512,700,1008,2032,4064 
 #   dflash profile --quantize auto --context 1000 --sizes 2,4 --no-draft --repeats 60 --json  -> attention_prefetch_profile.txt
 # The split's scratch without zeroing, against a50e065:
 python tools/probes/attention_ab.py a50e065 --starts 512,1008,2032,4064 --rows 1,2,4,8 --layers 30 --rounds 9 > $D/split_scratch.txt
+# Switches read on every call, at f9b7a94 (apply, measure, take off; the output files hold the commands):
+#   decode_split.patch:   python $D/switch_ab.py DFLASH_DSPLIT 512,128 130,200,300,400,500 40 > $D/decode_split.txt
+#   tiles_prefetch.patch: python $D/switch_ab.py DFLASH_TPF 0,1 150,300,450 40 > $D/tiles_prefetch.txt
