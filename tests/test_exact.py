@@ -174,8 +174,9 @@ def long_context_target(tmp_path, seed: int, fmt: str):
 def test_decode_region_equals_layer_modules_after_long_contexts(tmp_path, fmt, threads):
     """A decode step of the C++ stack runs in one parallel region (kernels/layers.cpp, decode_region: the
     matmuls' columns and the attention's kv heads split between the threads, barriers between the steps).
-    Its logits, taps and cache are the layer modules' bit for bit after short and long contexts (from 512
-    keys the per-call attention splits a decode step by keys instead: the same bits), with the tapped layers
+    Its logits, taps and cache are the layer modules' bit for bit after short and long contexts (from 128
+    keys the region splits a step's attention by keys, the layer modules' per-call attention from 512: the
+    same bits), with the tapped layers
     listed out of order and twice."""
     from dflash_torch.models.llama import NativeLayers
 
