@@ -506,21 +506,25 @@ void decode_attend(const float* q, const DecodeCache& c, int64_t start, int64_t 
   else decode_attend_t<float>(q, c, start, h, (float)scale, i0, i1, out);
 }
 
-// From this many keys the region's decode step takes the split by keys (causal_attention's decode steps: from 512).
-// Below 512 the tiles give each thread whole kv heads, and with 3 kv heads one thread runs 2 of them while the other
-// waits (decode_timers.patch: 0.24 ms of a 4.8 ms step after 300 keys). The same bits either way. A decode step of
-// the default model, 128 against 512 alternating in one process (docs/bench/cpu-epyc-zen4-headroom/decode_split.*,
-// AMD EPYC Zen 4, 2 threads): 0.964-0.981x after 130-500 keys, and 0.971-0.987x in a second run.
+// From this many keys a decode step whose kv heads the threads cannot share evenly takes the split by keys
+// (otherwise, and in causal_attention's decode steps, from 512). Below 512 the tiles give each thread whole kv
+// heads: with the default model's 3 kv heads on 2 threads one thread runs 2 of them while the other waits
+// (decode_timers.patch: 0.24 ms of a 4.8 ms step after 300 keys). The same bits either way. A decode step of the
+// default model, 128 against 512 alternating in one process (docs/bench/cpu-epyc-zen4-headroom/decode_split.*,
+// AMD EPYC Zen 4, 2 threads): 0.964-0.981x after 130-500 keys, and 0.971-0.987x in a second run. Where the heads
+// share evenly (or one thread runs the step) nothing waits, and the split's three steps were not measured there.
 constexpr int64_t DECODE_SPLIT_KEYS = 128;
 
-DecodePlan decode_plan(const DecodeCache& c, int64_t start, int64_t h) {
+DecodePlan decode_plan(const DecodeCache& c, int64_t start, int64_t h, int64_t threads) {
   DecodePlan p{1, {decode_tasks(h, c.hkv), 0, 0}, 0, nullptr, nullptr};
 #ifdef DFLASH_X86
-  // split by keys as causal_attention does (a float16 cache on the AVX-512 path), from DECODE_SPLIT_KEYS
+  // split by keys as causal_attention does (a float16 cache on the AVX-512 path): from DECODE_SPLIT_KEYS where the
+  // tiles leave a thread waiting, else from 512
+  const int64_t from = p.tasks[0] % std::max<int64_t>(1, threads) != 0 ? DECODE_SPLIT_KEYS : 512;
   // the calling thread's, kept between calls and only grown: every score and sum a step reads, the layer's earlier
   // steps wrote (as the verify region's scratch), so nothing is zeroed (it was 40 KB a layer after 1,000 keys)
   thread_local std::vector<float> scores, z;
-  if (c.half && attention_isa() == 2 && start + 1 >= DECODE_SPLIT_KEYS && split_tasks(c.d, start + 1, 1, h, c.hkv, p.tasks, p.stride)) {
+  if (c.half && attention_isa() == 2 && start + 1 >= from && split_tasks(c.d, start + 1, 1, h, c.hkv, p.tasks, p.stride)) {
     if ((int64_t)scores.size() < h * p.stride) scores.resize(h * p.stride);
     if ((int64_t)z.size() < h) z.resize(h);
     p.steps = 3, p.scores = scores.data(), p.z = z.data();

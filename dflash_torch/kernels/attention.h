@@ -133,15 +133,16 @@ int64_t decode_tasks(int64_t h, int64_t hkv);
 void decode_attend(const float* q, const DecodeCache& c, int64_t start, int64_t h, double scale, int64_t i0,
                    int64_t i1, float* out);
 // the attention as causal_attention runs it: by kv heads (one step of decode_tasks tasks), or from 512 keys
-// on a float16 cache on the AVX-512 path by keys and dimensions (three steps, a barrier after each); made by
-// one thread, which owns the scratch it points to
+// on a float16 cache on the AVX-512 path by keys and dimensions (three steps, a barrier after each), from 128
+// where the kv heads do not share evenly over the `threads` that run its tasks; made by one thread, which owns
+// the scratch it points to
 struct DecodePlan {
   int steps;
   int64_t tasks[3];
   int64_t stride;
   float *scores, *z;
 };
-DecodePlan decode_plan(const DecodeCache& c, int64_t start, int64_t h);
+DecodePlan decode_plan(const DecodeCache& c, int64_t start, int64_t h, int64_t threads);
 void decode_step(const DecodePlan& p, int step, int64_t i0, int64_t i1, const float* q, const DecodeCache& c,
                  int64_t start, int64_t h, double scale, float* out);
 

@@ -252,7 +252,7 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
       columns();
       step([&] {
         dflash_attention::decode_rotate(yqkv.data_ptr<float>(), cp, sp, qv, cache, pos, h);
-        plan = dflash_attention::decode_plan(cache, pos, h);
+        plan = dflash_attention::decode_plan(cache, pos, h, nth);
       });
       for (int s = 0; s < plan.steps; s++) {  // (plan.steps: the same for every thread past the barrier)
         if (!error) {
@@ -495,7 +495,7 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
             lend.out(parents, r, dr, pos);
             dflash_attention::decode_rotate(yqkv.data_ptr<float>() + r * fqkv, cp + r * d, sp + r * d, qside, cache,
                                             pos + dr, h);
-            side = dflash_attention::decode_plan(cache, pos + dr, h);
+            side = dflash_attention::decode_plan(cache, pos + dr, h, nth);
           });
 #pragma omp barrier
         for (int st = 0; st < side.steps; st++) {  // (side.steps: the same for every thread past the barrier)
@@ -562,7 +562,7 @@ Tensor tree_attention(const Ops& o, const Tensor& qkv, const Tensor& cos, const 
       std::memcpy(lend.k(g, pos + r), lend.k(g, pos + dr), lend.bytes);
       std::memcpy(lend.v(g, pos + r), lend.v(g, pos + dr), lend.bytes);
     }
-    const dflash_attention::DecodePlan plan = dflash_attention::decode_plan(cache, pos + dr, h);
+    const dflash_attention::DecodePlan plan = dflash_attention::decode_plan(cache, pos + dr, h, 1);  // serial below 1k
     float* out = attn.data_ptr<float>() + r * hid;
     // each step's tasks over the threads, a join between steps; over fewer keys than SPLIT_KEYS the
     // calling thread takes them all (a fork and join cost more than the attention there)
