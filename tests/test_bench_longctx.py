@@ -11,8 +11,8 @@ import pytest
 from dflash_torch import bench_longctx, bench_replay
 from dflash_torch.bench_longctx import TOLERANCE, quarter_acceptance, quarter_means
 
+from .server_support import make_chat_model
 from .test_bench import run_cli
-from .test_server import make_chat_model
 
 
 @pytest.fixture(autouse=True)

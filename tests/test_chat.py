@@ -10,7 +10,7 @@ import pytest
 from dflash_torch import cli
 from dflash_torch.generate import generate, load
 
-from .test_server import make_chat_model
+from .server_support import make_chat_model
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """`/openapi.json`: the request model of every route with a body, and a bounded property-based run against it
-(schemathesis, on the loopback server of test_server.py with the same tiny chat model): no answer is a 5xx,
+(schemathesis, on the loopback server of server_support.py with the same tiny chat model): no answer is a 5xx,
 and every error comes in the shape of the route's API, naming nothing but a string or null as its field.
 
 The run is fixed: derandomized Hypothesis, a set number of examples per operation, positive (what the schema
@@ -19,7 +19,7 @@ from schemathesis import GenerationMode
 
 from dflash_torch.generate import load
 
-from .test_server import MSGS, make_chat_model, serve
+from .server_support import MSGS, make_chat_model, serve
 
 EXAMPLES = 30  # per operation and mode
 BODIES = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",

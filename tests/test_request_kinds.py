@@ -9,7 +9,7 @@ import pytest
 
 from dflash_torch.generate import load
 
-from .test_server import SPECIALS, client, make_chat_model, metrics_json, serve
+from .server_support import SPECIALS, client, make_chat_model, metrics_json, serve
 
 FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>"]
 UNIT = {"type": "function", "function": {"name": "unit", "parameters": {

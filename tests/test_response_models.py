@@ -1,5 +1,5 @@
 """The 200 answers' models (`ResponseModel`s): what `/openapi.json` documents for each route's 200 is what the
-server sends. Real requests against the tiny chat model of test_server.py, in variants that bring out each
+server sends. Real requests against the tiny chat model of server_support.py, in variants that bring out each
 optional part (n > 1, log-probabilities, echo, a cut answer, a stop string, tool calls, a think block), each
 body validated strictly (JSON types as sent: a string where an int belongs, or a bool for an int, fails)
 and with nothing in it the model does not declare.
@@ -16,7 +16,7 @@ from dflash_torch.generate import load
 from dflash_torch.serve import messages_api, openai_api, responses_api
 from dflash_torch.serve.protocol import ResponseModel
 
-from .test_server import MSGS, WEATHER, make_chat_model, script_generation, serve
+from .server_support import MSGS, WEATHER, make_chat_model, script_generation, serve
 
 ROUTES = {"/v1/chat/completions": openai_api.ChatCompletion, "/v1/completions": openai_api.Completion,
           "/v1/responses": responses_api.ResponseObject, "/v1/messages": messages_api.MessageResponse,
@@ -32,7 +32,7 @@ ANTHROPIC_WEATHER = {"name": "get_weather", "description": "Weather in a city",
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory):
     n = torch.get_num_threads()
-    torch.set_num_threads(1)  # two shared cores: see test_server.one_thread
+    torch.set_num_threads(1)  # two shared cores: see server_support.one_thread
     target, draft = make_chat_model(tmp_path_factory.mktemp("answers"))
     yield load(str(target), str(draft), device="cpu", dtype="float32")
     torch.set_num_threads(n)
@@ -131,7 +131,7 @@ def test_responses_and_messages_answers(server):
 
 
 def test_tool_calls_and_reasoning_answers(pipe, monkeypatch):
-    """What the tiny model cannot write, scripted (test_server.script_generation): tool calls, a think block."""
+    """What the tiny model cannot write, scripted (server_support.script_generation): tool calls, a think block."""
     script = script_generation(pipe, monkeypatch)
     with serve(pipe, reasoning_parser="think") as base:
         script["text"] = CALL

@@ -12,7 +12,7 @@ from dflash_torch.decoding.sampling import Sampler
 from dflash_torch.decoding.speculative import Stats, generate_tokens
 from dflash_torch.generate import generate, load
 
-from .test_server import ScriptedDrafter, make_chat_model
+from .server_support import ScriptedDrafter, make_chat_model
 
 GRAMMARS = [
     ("regex", "(ab|cd)+x"),

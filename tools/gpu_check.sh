@@ -83,7 +83,7 @@ run() {
     rm -rf "$out" && mkdir -p "$dest" "$out"
     setup | tee "$out/device.txt"
     # 1. the tests of the engine's switches and families with a GPU present (CUDA-only tests run, not skip)
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_fast.py tests/test_families.py \
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_fast_*.py tests/test_families.py \
         tests/test_lossless.py 2>&1 | tail -30 | tee "$out/tests.txt" || true
     # 2. where the time goes, bf16 on the GPU, eager and with CUDA graphs
     for g in "" --cuda-graphs; do

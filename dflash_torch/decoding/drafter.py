@@ -238,7 +238,7 @@ class FlatDraft(nn.Module):
 class NativeDraft:
     """FlatDraft's pass for block-format layers (fused gate/up, norms on kernels/norm.cpp, full rotary,
     float32) with its layers in one call of kernels/layers.cpp (`draft_stack`): the same operators in the
-    same order (same bits, tests/test_fast.py), without TorchScript's per-operator interpretation."""
+    same order (same bits, tests/test_fast_flat.py), without TorchScript's per-operator interpretation."""
 
     def __init__(self, d: FlatDraft) -> None:
         self.d = d

@@ -4,7 +4,7 @@
 // `llama.FlatLayers` calls on that path (the dflash kernels through the dispatcher, the activation and
 // product through ATen), in the same order, except that each RMSNorm runs inside the matmul that reads
 // it (block_mm_norm: the norm's own row function on each row before its quantization, the same bits),
-// so its results are FlatLayers' bit for bit (tests/test_fast.py). What it saves is everything between them: a decode step of a small model is a
+// so its results are FlatLayers' bit for bit (tests/test_fast_flat.py). What it saves is everything between them: a decode step of a small model is a
 // few hundred small operators, and from Python or TorchScript each one costs microseconds of dispatch,
 // boxing and bookkeeping that a compiled loop does not pay. A decode step (one row) goes further: the whole
 // stack in one parallel region (decode_region), the kernels' own steps called directly.
@@ -133,7 +133,7 @@ Tensor act_mul(const Tensor& gate, const Tensor& up, int64_t act) {
 // own code), rotates q and k and writes the cache (decode_rotate) and runs the activation (act_mul); every
 // thread takes its share of each matmul's output columns (mm_columns) and of the attention's tasks
 // (decode_step: by kv heads, or from 512 keys by keys and dimensions, as causal_attention splits it). The same functions as the per-call path, so the same bits (tests/test_exact.py,
-// tests/test_fast.py). What it saves is a decode step's ~180 forks and joins of the threads, and the tensors,
+// tests/test_fast_flat.py). What it saves is a decode step's ~180 forks and joins of the threads, and the tensors,
 // views and dispatch around them. Returns false (nothing done) where it does not apply: biases, a row that
 // is not float32 [1, H], layers shaped differently.
 // Whether t rows (x [t, H] float32) can run through the stack in one parallel region (decode_region, rows_region):
@@ -354,7 +354,7 @@ struct Lend {
 // (rows_rotate), takes its share of the attention's tasks on rows_plan's path (rows_attend: tiles by kv heads and
 // positions, as causal_attention runs them; or, for up to 16 positions from 128 keys, rows_split_step: scores by
 // blocks of keys, softmax, output sums by dimensions, a barrier after each) and of the activation's rows
-// (act_rows). The functions of the per-call path, so its bits (tests/test_exact.py, tests/test_fast.py); what it
+// (act_rows). The functions of the per-call path, so its bits (tests/test_exact.py, tests/test_fast_flat.py); what it
 // saves is a pass's ~200 forks and joins and the dispatch and tensors around them. Returns false (nothing done)
 // where it does not apply (region_fits; an attention that causal_attention would run on its scalar loop).
 constexpr int64_t ROWS_MAX = 64;

@@ -7,7 +7,7 @@ target's static-shape mode (`llama.Model.forward(positions=...)`): the positions
 keys/values are written at them (`KVCache.write_at`), and attention reads the whole cache through a
 mask, so nothing in the pass depends on a Python int. One graph per (width, logits, taps): decode (1)
 and each verify width the loop uses, captured on first use; prefills and other widths run the same
-static forward without a graph, so a graph changes no result (tests/test_fast.py compares replay and
+static forward without a graph, so a graph changes no result (tests/test_fast_static_shapes.py compares replay and
 eager bit for bit on a GPU).
 
 The graphs are bound to one cache, owned here: `new_cache` hands it out again (rewound) to each

@@ -141,7 +141,7 @@ def signed(sin: torch.Tensor) -> torch.Tensor:
 
 def script(layers: nn.Module) -> nn.Module:
     """`layers` compiled by TorchScript: the same operators run from its graph interpreter instead of
-    Python bytecode. TorchScript fuses nothing on CPU, so the bits are the same (tests/test_fast.py);
+    Python bytecode. TorchScript fuses nothing on CPU, so the bits are the same (tests/test_fast_flat.py);
     the time is not (docs/performance.md, "A scripted decode step"). `layers` itself where TorchScript
     cannot compile it."""
     from .. import kernels

@@ -348,7 +348,7 @@ class Model(nn.Module):
         # small operators around the matmuls, so what surrounds them is a large share of its time
         # (docs/performance.md, "A flat decode step"). Taken for decode steps, and for passes that
         # attend one query at a time (quantized verify): there every query is a decode step's
-        # attention call. Same bits as the module path (`flat = False`; tests/test_fast.py).
+        # attention call. Same bits as the module path (`flat = False`; tests/test_fast_flat.py).
         try:
             plan = self._flat_plan()
         except TypeError as e:  # a layer type the flat path does not know: the modules, as before
@@ -459,7 +459,7 @@ class FlatLayers(nn.Module):
 class NativeLayers:
     """FlatLayers' path for layers whose linear layers are all block formats, fused q/k/v and gate/up, full
     rotary, no q/k norms and float32 activations, in one call of kernels/layers.cpp: the same operators in
-    the same order (same bits, tests/test_fast.py), without the few microseconds of dispatch each of a
+    the same order (same bits, tests/test_fast_flat.py), without the few microseconds of dispatch each of a
     decode step's few hundred operators costs from Python or TorchScript. `fallback` (FlatLayers, maybe
     scripted) serves any other pass."""
 

@@ -336,7 +336,7 @@ def fuse_projections(model: nn.Module, fits=lambda linear: True, stored: dict | 
     blocks, of one format), so a quantizer that skips a shape skips the same layers fused or not.
 
     Used for quantized targets only: the int8/int4 kernels compute each output column alike whatever
-    the matrix it sits in, so fused and separate layers give identical results (tests/test_fast.py),
+    the matrix it sits in, so fused and separate layers give identical results (tests/test_fast_quantized.py),
     and fewer kernel calls cut a decode step's fixed costs (docs/performance.md). float32 matmuls
     measured no faster fused here and round differently, so float32 targets are left unfused.
     `stored` ({layer: (format, GGUF blocks)}, `loading.stored_blocks`) gains the fused layers' blocks:

@@ -90,7 +90,7 @@ class Rotary(torch.nn.Module):
     def span(self, start: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward(torch.arange(start, end), dtype)` as rows of a table kept from earlier calls: the same
         values (every step is elementwise, so a position's row does not depend on the others computed with
-        it; tests/test_fast.py), without the eight small operators a decode step or draft pass paid for them."""
+        it; tests/test_fast_flat.py), without the eight small operators a decode step or draft pass paid for them."""
         table = self._table(end, dtype)
         return table[0][start:end], table[1][start:end]
 
