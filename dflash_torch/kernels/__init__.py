@@ -35,8 +35,8 @@ def _build_dir() -> Path:
 
 
 SOURCES = ("blocks.cpp", "blocks_avx512.cpp", "attention.cpp", "attention_avx512.cpp", "norm.cpp", "argmax.cpp",
-           "layers.cpp")
-HEADERS = ("blocks.h", "attention.h")
+           "activation.cpp", "layers.cpp")
+HEADERS = ("blocks.h", "attention.h", "activation.h")
 # -ffp-contract=off: no multiply-add fused behind our back, so every path rounds each step as written;
 # -fopenmp: at::parallel_for then runs on PyTorch's own OpenMP threads (without it, on a slower path)
 CFLAGS, LDFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"], ["-fopenmp"]

@@ -18,12 +18,15 @@
 #include <optional>
 #include <vector>
 
+#include "activation.h"
 #include "attention.h"
 #include "blocks.h"
 
 namespace {
 
 using at::Tensor;
+using dflash_activation::act_mul;
+using dflash_activation::act_rows;
 
 // the other kernels of this library, looked up once (typed handles: an unboxed call, no IValues)
 struct Ops {
@@ -74,58 +77,6 @@ Tensor add_linear(const Ops& o, const Tensor& r, const Tensor& x, const Tensor& 
                   const std::optional<Tensor>& bias) {
   if (!bias.has_value()) return o.mm_add.call(x, packed, code % 8, code / 8, r, -1);
   return r + linear(o, x, packed, code, bias);
-}
-
-// act_mul's product for rows r0 .. r1: a plain loop, one IEEE multiply per element as Tensor.mul_
-// computes it, without the elementwise machinery's setup (4 us of a 16-row call's 13, 8 rows of 1536).
-void mul_rows(Tensor& out, const Tensor& up, int64_t r0, int64_t r1) {
-  const int64_t n = out.size(1), us = up.stride(0);
-  float* o = out.data_ptr<float>();
-  const float* u = up.data_ptr<float>();
-  for (int64_t r = r0; r < r1; r++)
-    for (int64_t i = 0; i < n; i++) o[r * n + i] *= u[r * us + i];
-}
-
-// act(gate) * up for rows r0 .. r1 into out (act 0 silu, 1 gelu (tanh), 2 gelu): the elementwise kernels on
-// the rows' strided views (every row its own inner loop: the bits of one call on all rows), the product by
-// mul_rows where up is float32 with a contiguous last dimension, else Tensor.mul_
-void act_rows(Tensor& out, const Tensor& gate, const Tensor& up, int64_t act, int64_t r0, int64_t r1) {
-  Tensor o = out.slice(0, r0, r1), g = gate.slice(0, r0, r1);
-  if (act == 0) at::silu_out(o, g);
-  else at::gelu_out(o, g, act == 1 ? "tanh" : "none");
-  const bool plain = gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && up.stride(1) == 1;
-  if (plain) mul_rows(out, up, r0, r1);
-  else o.mul_(up.slice(0, r0, r1));
-}
-
-// act(gate) * up (act 0 silu, 1 gelu (tanh), 2 gelu) as `F.silu(gate) * up` computes it; from 4 rows the
-// threads take the rows in shares. Each element gets the operations it gets from one call on all rows
-// (the views are strided, so every row is its own inner loop of the elementwise kernels), so the bits
-// are the same.
-Tensor act_mul(const Tensor& gate, const Tensor& up, int64_t act) {
-  auto apply = [act](Tensor& out, const Tensor& g) {
-    if (act == 0) at::silu_out(out, g);
-    else at::gelu_out(out, g, act == 1 ? "tanh" : "none");
-  };
-  const int64_t t = gate.size(0);
-  Tensor out = at::empty({t, gate.size(1)}, gate.options());
-  // float32 rows with a contiguous last dimension take the loop (the other dtypes, Tensor.mul_)
-  const bool plain = gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && up.stride(1) == 1;
-  if (t < 4) {
-    apply(out, gate);
-    if (!plain) return out.mul_(up);
-    mul_rows(out, up, 0, t);
-    return out;
-  }
-  const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the other threads are told
-  at::parallel_for(0, t, 1, [&](int64_t r0, int64_t r1) {
-    c10::InferenceMode mode(inference);
-    Tensor o = out.slice(0, r0, r1);
-    apply(o, gate.slice(0, r0, r1));
-    if (plain) mul_rows(out, up, r0, r1);
-    else o.mul_(up.slice(0, r0, r1));
-  });
-  return out;
 }
 
 // A decode step (one row) through every layer in one parallel region, its steps apart by barriers: the

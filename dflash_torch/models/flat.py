@@ -126,7 +126,7 @@ def add_mlp(r: torch.Tensor, y: torch.Tensor, ins: list[LinearSpec], down: Linea
     elif act == 1:
         gate = F.gelu(gate, approximate="tanh")
     else:
-        gate = F.gelu(gate)
+        gate = F.gelu(gate.contiguous())  # contiguous, as layers._gelu says why
     return add_linear(r, gate * up, down)
 
 

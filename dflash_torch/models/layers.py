@@ -127,7 +127,14 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh, "gelu": F.gelu}
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    # on a CPU, torch's exact (erf) gelu gives other bits for a strided input (the gate half of a fused
+    # gate/up output, 2+ rows) than for a contiguous one (1 row, or a copy); every path takes a contiguous
+    # input, whose results do not depend on how its rows or columns are split (the C++ stack's threads)
+    return F.gelu(x.contiguous())
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh, "gelu": _gelu}
 
 
 def attention_mask(
