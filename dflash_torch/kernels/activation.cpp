@@ -11,6 +11,8 @@ namespace dflash_activation {
 
 using at::Tensor;
 
+namespace {
+
 // act_mul's product for rows r0 .. r1: a plain loop, one IEEE multiply per element as Tensor.mul_
 // computes it, without the elementwise machinery's setup (4 us of a 16-row call's 13, 8 rows of 1536).
 void mul_rows(Tensor& out, const Tensor& up, int64_t r0, int64_t r1) {
@@ -20,6 +22,8 @@ void mul_rows(Tensor& out, const Tensor& up, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; r++)
     for (int64_t i = 0; i < n; i++) o[r * n + i] *= u[r * us + i];
 }
+
+}  // namespace
 
 // act(gate) * up for rows r0 .. r1 into out (act 0 silu, 1 gelu (tanh), 2 gelu): the elementwise kernels on
 // the rows' strided views (every row its own inner loop: the bits of one call on all rows; the exact gelu on a

@@ -9,7 +9,5 @@ namespace dflash_activation {
 at::Tensor act_mul(const at::Tensor& gate, const at::Tensor& up, int64_t act);
 // the same into out's rows r0 .. r1, on the calling thread (the region's threads each take their rows)
 void act_rows(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up, int64_t act, int64_t r0, int64_t r1);
-// out *= up for rows r0 .. r1 (float32, up's last dimension contiguous)
-void mul_rows(at::Tensor& out, const at::Tensor& up, int64_t r0, int64_t r1);
 
 }  // namespace dflash_activation
