@@ -1,8 +1,8 @@
-"""A/B timing of the block matmul: earlier block kernels (a git revision's, or a blocks.cpp) against the working
-tree's, built side by side in one process and called in alternation, so that the machine's drift (tens
-of percent over minutes on a shared VM) falls on both alike. Per layer shape of the default model,
-format and row count: the best of 9 rounds of each, old -> new microseconds and their ratio. Both must
-give the same bits (checked on every cell).
+"""A/B timing of the block matmul: earlier block kernels (a git revision's, a blocks.cpp, or a folder of the
+kernel sources) against the working tree's, built side by side in one process and called in alternation, so
+that the machine's drift (tens of percent over minutes on a shared VM) falls on both alike. Per layer shape
+of the default model, format and row count: the best of 9 rounds of each, old -> new microseconds and their
+ratio. Both must give the same bits (checked on every cell).
 
     python tools/kernel_ab.py REV [--threads 2] [--formats q4_0,q4_1,q8_0] [--rows 1,4,8,16]
                               [--isa -1] [--new-isa -1] [--mb 24] [--shapes qkv,o,4096x4096] [--json FILE]
@@ -29,13 +29,18 @@ sys.path.insert(0, str(ROOT))
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
 
 
+OLD_FILES = ("blocks.cpp", "blocks_avx2.cpp", "blocks_avx512.cpp", "blocks.h", "norm.cpp")
+
+
 def _old_sources(rev: str) -> dict[str, str]:
-    """The old block-kernel sources by file name: blocks.cpp, and blocks_avx512.cpp and blocks.h where the
-    revision has them (a .cpp file given alone stands for blocks.cpp)."""
+    """The old block-kernel sources by file name: blocks.cpp, and the other files of OLD_FILES where the
+    revision (or a folder of such files) has them; a .cpp file given alone stands for blocks.cpp."""
     if rev.endswith(".cpp"):
         return {"blocks.cpp": Path(rev).read_text()}
+    if Path(rev).is_dir():
+        return {name: (Path(rev) / name).read_text() for name in OLD_FILES if (Path(rev) / name).is_file()}
     out = {}
-    for name in ("blocks.cpp", "blocks_avx512.cpp", "blocks.h", "norm.cpp"):
+    for name in OLD_FILES:
         try:
             out[name] = subprocess.check_output(["git", "show", f"{rev}:dflash_torch/kernels/{name}"], cwd=ROOT,
                                                 stderr=subprocess.DEVNULL).decode()
@@ -89,7 +94,8 @@ def shapes(spec: str | None) -> list[tuple[str, int, int]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("rev", help="git revision of the old kernels (or a blocks.cpp file; `.`: the working tree's)")
+    ap.add_argument("rev", help="git revision of the old kernels (or a blocks.cpp file, or a folder of kernel "
+                                "sources; `.`: the working tree's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--formats", default="q4_0,q4_1,q8_0")
     ap.add_argument("--rows", default="1,4,8,16")

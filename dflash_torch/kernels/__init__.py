@@ -34,8 +34,8 @@ def _build_dir() -> Path:
     return path
 
 
-SOURCES = ("blocks.cpp", "blocks_avx512.cpp", "attention.cpp", "attention_avx512.cpp", "norm.cpp", "argmax.cpp",
-           "activation.cpp", "layers.cpp")
+SOURCES = ("blocks.cpp", "blocks_avx2.cpp", "blocks_avx512.cpp", "attention.cpp", "attention_avx512.cpp", "norm.cpp",
+           "argmax.cpp", "activation.cpp", "layers.cpp")
 HEADERS = ("blocks.h", "attention.h", "activation.h")
 # -ffp-contract=off: no multiply-add fused behind our back, so every path rounds each step as written;
 # -fopenmp: at::parallel_for then runs on PyTorch's own OpenMP threads (without it, on a slower path)

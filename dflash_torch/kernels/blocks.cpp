@@ -19,9 +19,10 @@
 // group and block, the 8 fp16 scales (Q4_1: then the 8 fp16 minimums), then the 8 columns' quant bytes
 // exactly as GGUF stores them (Q4: 16 bytes, value j in the low nibble of byte j and j + 16 in its
 // high nibble; Q8: 32 signed bytes), reordered in chunks of 4 bytes so that one 32-byte load holds 4
-// values of each of the 8 columns. Each weight block is unpacked once per call for up to TILE_ROWS rows
-// (AVX2 with 8 rows or fewer: once per 4 rows, their sums in registers); threads split the column groups. The 512-bit VNNI path and the AMX path (blocks_avx512.cpp) take two
-// groups (16 columns) per vector or tile.
+// values of each of the 8 columns. The scalar twin unpacks each weight block once per call for up to
+// TILE_ROWS rows; the AVX2 paths (blocks_avx2.cpp) once per strip of 4 rows; threads split the column
+// groups. The 512-bit VNNI path and the AMX path (blocks_avx512.cpp) take two groups (16 columns) per
+// vector or tile.
 
 #include "blocks.h"
 
@@ -37,7 +38,7 @@ namespace {
 
 using namespace dflash_blocks;
 
-constexpr int TILE_ROWS = 64;  // rows that share one unpacking of a weight block (the 8-column paths)
+constexpr int TILE_ROWS = 64;  // rows that share one unpacking of a weight block (the scalar twin)
 
 inline float half_to_float(uint16_t h) {  // exact
   uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -163,190 +164,6 @@ void tile_scalar(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64
   }
 }
 
-#ifdef DFLASH_X86
-// The vector paths hold one block of the group's 8 columns as 8 chunk vectors (32 bytes: 4 values of each
-// column) and multiply each by 4 of the row's values broadcast to all columns, so every int32 lane sums
-// one column's products: the block sums come out per column, with no horizontal adds.
-
-// the row's scale, quant sum and scale * sum broadcast straight from memory (load ports, not shuffles)
-#define DFLASH_FLOAT_STEP_AT(row)                                                                 \
-  const int64_t at = (row) * x.nb + b;                                                            \
-  if (fmt == Q4_0)                                                                                \
-    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(                                              \
-        _mm256_castps_si256(_mm256_broadcast_ss((const float*)(x.s + at))), 3)); /* 8 * sx */     \
-  float* a = acc + ((row) - r0) * GROUP;                                                          \
-  const __m256 dd = _mm256_mul_ps(_mm256_broadcast_ss(x.d + at), dw);                             \
-  __m256 av = _mm256_add_ps(_mm256_loadu_ps(a), _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dd));     \
-  if (fmt == Q4_1) av = _mm256_add_ps(av, _mm256_mul_ps(mw, _mm256_broadcast_ss(x.ds + at)));     \
-  _mm256_storeu_ps(a, av);
-
-#define DFLASH_TILE_BODY(Q4_SUM, Q8_SUM, Q4_SUM4)                                                \
-  const int64_t gb = group_bytes(fmt);                                                            \
-  const __m256i low = _mm256_set1_epi8(0x0f);                                                     \
-  for (int64_t b = 0; b < nb; b++) {                                                              \
-    const uint8_t* rec = w + b * gb;                                                              \
-    prefetch_ahead(rec, gb); /* weights from memory, ahead */                                     \
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));                      \
-    const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16)))  \
-                                  : _mm256_setzero_ps();                                          \
-    const uint8_t* qs = rec + (fmt == Q4_1 ? 4 : 2) * GROUP;                                      \
-    __m256i wv[8];                                                                                \
-    if (fmt == Q8_0) {                                                                            \
-      for (int j = 0; j < 8; j++) wv[j] = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));       \
-    } else {                                                                                      \
-      for (int j = 0; j < 4; j++) {                                                               \
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));                      \
-        wv[j] = _mm256_and_si256(v, low);                                                         \
-        wv[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);                               \
-      }                                                                                           \
-    }                                                                                             \
-    int64_t r = r0;                                                                               \
-    if (fmt != Q8_0) {                                                                            \
-      for (; r + 4 <= r1; r += 4) { /* 4 rows at once: independent chains of integer sums */    \
-        __m256i isum4[4];                                                                         \
-        Q4_SUM4                                                                                   \
-        for (int u = 0; u < 4; u++) {                                                             \
-          const int64_t rr = r + u;                                                               \
-          __m256i isum = isum4[u];                                                                \
-          DFLASH_FLOAT_STEP_AT(rr)                                                                \
-        }                                                                                         \
-      }                                                                                           \
-    }                                                                                             \
-    for (; r < r1; r++) {                                                                         \
-      const int8_t* xb = x.q + r * x.k + b * QK;                                                  \
-      __m256i isum;                                                                               \
-      if (fmt == Q8_0) {                                                                          \
-        Q8_SUM                                                                                    \
-      } else {                                                                                    \
-        Q4_SUM                                                                                    \
-      }                                                                                           \
-      DFLASH_FLOAT_STEP_AT(r)                                                                     \
-    }                                                                                             \
-  }
-
-// 4 values of the row, as one int32 to broadcast: chunk j (j < 4: values 4j..; j >= 4: 16 + 4(j - 4)..)
-// AVX2: unsigned x signed bytes -> int16 pairs (maddubs). Q4: |pair| <= 2 * 15 * 127, so the 8 chunks
-// add up in int16 without overflow (<= 30480) before one madd to int32. Q8 weights are signed: |w| times
-// x with w's sign (sign_epi8), each chunk to int32 at once (a pair reaches 2 * 127 * 127).
-#define DFLASH_AVX2_Q4                                                                            \
-  const int32_t* x4 = (const int32_t*)xb;                                                         \
-  __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(x4[0]));                            \
-  s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[1], _mm256_set1_epi32(x4[1])));             \
-  s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[2], _mm256_set1_epi32(x4[2])));             \
-  s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[3], _mm256_set1_epi32(x4[3])));             \
-  s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[4], _mm256_set1_epi32(x4[4])));             \
-  s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[5], _mm256_set1_epi32(x4[5])));             \
-  s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[6], _mm256_set1_epi32(x4[6])));             \
-  s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[7], _mm256_set1_epi32(x4[7])));             \
-  isum = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-
-// 4 rows: AVX2's int16 chains are short already, so the rows just run one after another
-#define DFLASH_AVX2_Q4_X4                                                                         \
-  for (int u = 0; u < 4; u++) {                                                                   \
-    const int8_t* xb = x.q + (r + u) * x.k + b * QK;                                              \
-    __m256i isum;                                                                                 \
-    DFLASH_AVX2_Q4                                                                                \
-    isum4[u] = isum;                                                                              \
-  }
-
-#define DFLASH_AVX2_Q8                                                                            \
-  const int32_t* x4 = (const int32_t*)xb;                                                         \
-  isum = _mm256_setzero_si256();                                                                  \
-  for (int j = 0; j < 8; j++) {                                                                   \
-    const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), wv[j]);                         \
-    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv[j]), xv), \
-                                                    _mm256_set1_epi16(1)));                       \
-  }
-
-// one instance per format (FMT a constant: no per-row branches on it, the weights stay in registers)
-template <int64_t fmt>
-__attribute__((target("avx2,fma,f16c"))) void tile_avx2_t(const uint8_t* w, int64_t nb, const Rows& x, int64_t r0,
-                                                          int64_t r1, float* acc) {
-  DFLASH_TILE_BODY(DFLASH_AVX2_Q4, DFLASH_AVX2_Q8, DFLASH_AVX2_Q4_X4)
-}
-
-void tile_avx2(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
-  if (fmt == Q4_0) tile_avx2_t<Q4_0>(w, nb, x, r0, r1, acc);
-  else if (fmt == Q4_1) tile_avx2_t<Q4_1>(w, nb, x, r0, r1, acc);
-  else tile_avx2_t<Q8_0>(w, nb, x, r0, r1, acc);
-}
-
-// A few rows of one column group with their sums in registers across all blocks (R <= 4: the sums, the
-// rows' int16 chains and one chunk's weights fill the 16 ymm registers). A tile above stores and reloads
-// each row's 8 sums per block and keeps a whole block's unpacked weights live; here the weights are
-// unpacked one chunk (32 bytes) at a time, so a few rows cost little more than one while the weights
-// stream from memory. The operations per row and block are DFLASH_FLOAT_STEP_AT's, in its order.
-template <int64_t fmt, int R>
-__attribute__((target("avx2,fma,f16c"))) void avx2_rows(const uint8_t* w, int64_t nb, const Rows& x, int64_t r0,
-                                                        float* out) {
-  const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
-  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; b++) {
-    const uint8_t* rec = w + b * gb;
-    prefetch_ahead(rec, gb);
-    const uint8_t* qs = rec + qoff;
-    __m256i isum[R];
-    if (fmt == Q8_0) {
-      #pragma GCC unroll 16
-      for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
-      for (int j = 0; j < 8; j++) {
-        const __m256i wj = _mm256_loadu_si256((const __m256i*)(qs + 32 * j)), aw = _mm256_abs_epi8(wj);
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; r++) {
-          const int32_t* x4 = (const int32_t*)(x.q + (r0 + r) * x.k + b * QK);
-          const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), wj);
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
-        }
-      }
-    } else {
-      __m256i s16[R];  // int16 sums of the pairs: at most 8 * 2 * 15 * 127 = 30480, no overflow
-      for (int j = 0; j < 4; j++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
-        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; r++) {
-          const int32_t* x4 = (const int32_t*)(x.q + (r0 + r) * x.k + b * QK);
-          const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[j])),
-                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[j + 4])));
-          s16[r] = j == 0 ? t : _mm256_add_epi16(s16[r], t);
-        }
-      }
-      #pragma GCC unroll 16
-      for (int r = 0; r < R; r++) isum[r] = _mm256_madd_epi16(s16[r], ones);
-    }
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));
-    const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16))) : _mm256_setzero_ps();
-    #pragma GCC unroll 16
-    for (int r = 0; r < R; r++) acc[r] = float_step8<fmt>(acc[r], isum[r], dw, mw, x, (r0 + r) * x.nb + b);
-  }
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; r++) _mm256_storeu_ps(out + GROUP * r, acc[r]);
-}
-
-template <int64_t fmt>
-void rows_avx2_t(const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
-  for (int64_t r = r0; r < r1; r += 4) {  // acc [r1 - r0, GROUP]
-    float* out = acc + (r - r0) * GROUP;
-    switch (std::min<int64_t>(4, r1 - r)) {
-      case 1: avx2_rows<fmt, 1>(w, nb, x, r, out); break;
-      case 2: avx2_rows<fmt, 2>(w, nb, x, r, out); break;
-      case 3: avx2_rows<fmt, 3>(w, nb, x, r, out); break;
-      default: avx2_rows<fmt, 4>(w, nb, x, r, out); break;
-    }
-  }
-}
-
-void rows_avx2(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
-  if (fmt == Q4_0) rows_avx2_t<Q4_0>(w, nb, x, r0, r1, acc);
-  else if (fmt == Q4_1) rows_avx2_t<Q4_1>(w, nb, x, r0, r1, acc);
-  else rows_avx2_t<Q8_0>(w, nb, x, r0, r1, acc);
-}
-
-#endif
-
 // ---- dispatch ----
 
 // Below this many rows the 512-bit VNNI path is faster: up to 8 rows its sums stay in registers, while a
@@ -362,11 +179,11 @@ int64_t amx_min_rows() {
   return forced ? forced : 8;
 }
 
-// Up to this many rows the AVX2 path keeps the sums in registers (rows_avx2, 4 rows per pass over the
-// weights); past it a tile unpacks each weight block once for all rows. On an AMD Zen 1 the register path
-// took 7-26% off 2-4 rows (1-26% off one, Q8_0 the least) and 3-13% off most 8-row cells; at 16 the two
-// were level within the host's noise (tools/kernel_ab.py, docs/performance.md "AVX2 only"). DFLASH_AVX2_ROWS overrides it, for measuring
-// (the two give the same bits).
+// Up to this many rows the AVX2 path keeps a Q4 matmul's float sums in registers (rows_avx2: 4 rows per pass
+// over one column group's weights); past it the rows go in strips of 4 rows x 2 column groups (columns_avx2).
+// Q8_0 stays on rows_avx2 at every row count: its sign step per product leaves the strips no gain. Measured
+// on an AMD Zen 3 (docs/performance.md, "AVX2 only: AMD EPYC (Zen 3)"). DFLASH_AVX2_ROWS overrides the
+// count, for measuring (the paths give the same bits).
 int64_t avx2_tile_rows() {
   static const int64_t forced = [] {
     const char* v = std::getenv("DFLASH_AVX2_ROWS");
@@ -549,6 +366,12 @@ void mm_columns(const MmCall& c, int64_t u0, int64_t u1) {
 #endif
     return;
   }
+#ifdef DFLASH_X86
+  if (c.isa == AVX2 && !c.narrow && fmt != Q8_0 && m > avx2_tile_rows()) {  // strips of 4 rows x 2 groups
+    columns_avx2(fmt, c.wp, c.gstride, nb, rows, m, u0, u1, c.y, n, c.res);
+    return;
+  }
+#endif
   float acc[TILE_ROWS * GROUP];
   for (int64_t t0 = 0; t0 < m; t0 += TILE_ROWS) {
     const int64_t t1 = std::min(m, t0 + TILE_ROWS);
@@ -558,10 +381,8 @@ void mm_columns(const MmCall& c, int64_t u0, int64_t u1) {
 #ifdef DFLASH_X86
       if (c.narrow)
         rows_vnni256(fmt, wg, nb, rows, t0, t1, acc);
-      else if (c.isa == AVX2 && t1 - t0 <= avx2_tile_rows())
-        rows_avx2(fmt, wg, nb, rows, t0, t1, acc);
       else if (c.isa == AVX2)
-        tile_avx2(fmt, wg, nb, rows, t0, t1, acc);
+        rows_avx2(fmt, wg, nb, rows, t0, t1, acc);
       else
 #endif
         tile_scalar(fmt, wg, nb, rows, t0, t1, acc);

@@ -73,6 +73,29 @@ inline void prefetch_ahead(const uint8_t* rec, int64_t gb) {  // the record PF b
   for (int64_t off = PF * gb; off < (PF + 1) * gb; off += 64) _mm_prefetch((const char*)(rec + off), _MM_HINT_T0);
 }
 
+// Prefetch for block b of a pair of column groups whose records lie one after the other from w0 (group g's nb
+// records, then group g + 1's; the next pair's after them): each group's stream PF blocks ahead, and where that
+// passes the end of its group, the same block of the next pair's group. Each stream's plain PF ahead
+// (prefetch_ahead) ran into the other group's records once nb > PF, so the second group's first PF blocks were
+// never fetched ahead of their loads (inputs over 1,024: the default model's down projection, every matrix of
+// larger models; docs/performance.md, "What is left in the kernels on AMD Zen 4"). With nb <= PF both ways fetch
+// the same records.
+__attribute__((always_inline)) inline void prefetch_pair(const uint8_t* w0, int64_t b, int64_t nb, int64_t gb) {
+  if (nb <= PF) {
+    prefetch_ahead(w0 + b * gb, gb);
+    prefetch_ahead(w0 + (nb + b) * gb, gb);
+    return;
+  }
+  // b < nb and PF < nb here, so b + PF lies in this pair's group or in the next pair's (no division per block)
+  const int64_t v = b + PF, at = v < nb ? v : nb + v;  // records from w0: this pair's block v, or the next's v - nb
+  const uint8_t* a0 = w0 + at * gb;                    // group g's stream (or the next pair's first group)
+  const uint8_t* a1 = a0 + nb * gb;                    // group g + 1's
+  for (int64_t off = 0; off < gb; off += 64) {
+    _mm_prefetch((const char*)(a0 + off), _MM_HINT_T0);
+    _mm_prefetch((const char*)(a1 + off), _MM_HINT_T0);
+  }
+}
+
 // One row's float step for one block on 8 columns (the AVX2 rows and the 256-bit VNNI rows share it), the
 // operations of DFLASH_FLOAT_STEP_AT in its order: acc + float(isum [- 8 s]) * (d_x * d_w) [+ m_w * (d_x s_x)].
 // dw, mw: the block's weight scales and Q4_1 minimums, widened; at: the row's block index into x.d / s / ds.
@@ -90,6 +113,11 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 float_step8(__m256 acc, _
 
 // Threads split pairs of column groups [p0, p1) (16 output columns each); y [m, n] (+ res [m, n]).
 #ifdef DFLASH_X86
+// blocks_avx2.cpp: rows [r0, r1) (at most 8) of one 8-column group into acc [r1 - r0, GROUP], their sums in
+// registers; and column groups [g0, g1) for all m rows, in strips of 4 rows x 2 groups, into y (+ res)
+void rows_avx2(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc);
+void columns_avx2(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& x, int64_t m, int64_t g0,
+                  int64_t g1, float* y, int64_t n, const float* res);
 void columns_vnni(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t groups, int64_t nb, const Rows& x,
                   int64_t m, int64_t p0, int64_t p1, float* y, int64_t n, const float* res);
 // one 8-column group's sums for rows [r0, r1) into acc [r1 - r0, GROUP], VNNI on 256-bit registers

@@ -22,29 +22,6 @@ namespace {
                      _mm256_loadu_si256((const __m256i*)((p1) + (off))), 1)
 
 
-// Prefetch for block b of a pair of column groups whose records lie one after the other from w0 (group g's nb
-// records, then group g + 1's; the next pair's after them): each group's stream PF blocks ahead, and where that
-// passes the end of its group, the same block of the next pair's group. Each stream's plain PF ahead
-// (prefetch_ahead) ran into the other group's records once nb > PF, so the second group's first PF blocks were
-// never fetched ahead of their loads (inputs over 1,024: the default model's down projection, every matrix of
-// larger models; docs/performance.md, "What is left in the kernels on AMD Zen 4"). With nb <= PF both ways fetch
-// the same records.
-__attribute__((always_inline)) inline void prefetch_pair(const uint8_t* w0, int64_t b, int64_t nb, int64_t gb) {
-  if (nb <= PF) {
-    prefetch_ahead(w0 + b * gb, gb);
-    prefetch_ahead(w0 + (nb + b) * gb, gb);
-    return;
-  }
-  // b < nb and PF < nb here, so b + PF lies in this pair's group or in the next pair's (no division per block)
-  const int64_t v = b + PF, at = v < nb ? v : nb + v;  // records from w0: this pair's block v, or the next's v - nb
-  const uint8_t* a0 = w0 + at * gb;                    // group g's stream (or the next pair's first group)
-  const uint8_t* a1 = a0 + nb * gb;                    // group g + 1's
-  for (int64_t off = 0; off < gb; off += 64) {
-    _mm_prefetch((const char*)(a0 + off), _MM_HINT_T0);
-    _mm_prefetch((const char*)(a1 + off), _MM_HINT_T0);
-  }
-}
-
 template <int64_t fmt, int R>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) void vnni_rows(
     const uint8_t* w0, const uint8_t* w1, int64_t nb, const Rows& x, int64_t r0, float* out) {

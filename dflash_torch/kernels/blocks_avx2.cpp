@@ -1,0 +1,194 @@
+// The block kernels' AVX2 paths (blocks.cpp has the arithmetic they reproduce, the scalar twin and the
+// dispatch). A packed record holds one block of a group's 8 columns as 8 chunk vectors (32 bytes: 4 values
+// of each column); each is multiplied by 4 of a row's values broadcast to all columns, so every int32 lane
+// sums one column's products: the block sums come out per column, with no horizontal adds. Then each row
+// and column takes the float step of float_step8 (blocks.h), block after block, so the bits are the scalar
+// twin's whatever the path.
+//
+// Q4: unsigned nibbles x signed bytes -> int16 pairs (maddubs); |pair| <= 2 * 15 * 127, so the 8 chunks of
+// a block add up in int16 without overflow (<= 30480) before one madd to int32 (Q4_0's nibbles are
+// unsigned here: its - 8 * sum(x) comes off in the float step's integer). Q8 weights are signed: |w| times x
+// with w's sign (sign_epi8), each chunk to int32 at once (a pair reaches 2 * 127 * 127). Integer sums are
+// exact, so their order is free.
+
+#include "blocks.h"
+
+#ifdef DFLASH_X86
+namespace dflash_blocks {
+namespace {
+
+// A few rows of one column group with their float sums in registers across all blocks (R <= 4: the sums,
+// the rows' int16 chains and one chunk's weights fill the 16 ymm registers). The weights are unpacked one
+// chunk (32 bytes) at a time, so a few rows cost little more than one while the weights stream from memory.
+template <int64_t fmt, int R>
+__attribute__((target("avx2,fma,f16c"))) void avx2_rows(const uint8_t* w, int64_t nb, const Rows& x, int64_t r0,
+                                                        float* out) {
+  const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* rec = w + b * gb;
+    prefetch_ahead(rec, gb);
+    const uint8_t* qs = rec + qoff;
+    __m256i isum[R];
+    if (fmt == Q8_0) {
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; j++) {
+        const __m256i wj = _mm256_loadu_si256((const __m256i*)(qs + 32 * j)), aw = _mm256_abs_epi8(wj);
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+          const int32_t* x4 = (const int32_t*)(x.q + (r0 + r) * x.k + b * QK);
+          const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), wj);
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
+        }
+      }
+    } else {
+      __m256i s16[R];
+      for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+          const int32_t* x4 = (const int32_t*)(x.q + (r0 + r) * x.k + b * QK);
+          const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4[j])),
+                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[j + 4])));
+          s16[r] = j == 0 ? t : _mm256_add_epi16(s16[r], t);
+        }
+      }
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; r++) isum[r] = _mm256_madd_epi16(s16[r], ones);
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));
+    const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16))) : _mm256_setzero_ps();
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; r++) acc[r] = float_step8<fmt>(acc[r], isum[r], dw, mw, x, (r0 + r) * x.nb + b);
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; r++) _mm256_storeu_ps(out + GROUP * r, acc[r]);
+}
+
+template <int64_t fmt>
+void rows_avx2_t(const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
+  for (int64_t r = r0; r < r1; r += 4) {  // acc [r1 - r0, GROUP]
+    float* out = acc + (r - r0) * GROUP;
+    switch (std::min<int64_t>(4, r1 - r)) {
+      case 1: avx2_rows<fmt, 1>(w, nb, x, r, out); break;
+      case 2: avx2_rows<fmt, 2>(w, nb, x, r, out); break;
+      case 3: avx2_rows<fmt, 3>(w, nb, x, r, out); break;
+      default: avx2_rows<fmt, 4>(w, nb, x, r, out); break;
+    }
+  }
+}
+
+// R rows x C column groups (C <= 2) of a Q4 matmul over all blocks, for more rows than rows_avx2 takes: the
+// int16 block sums of the R x C pairs in registers (R = 4, C = 2: 8 sums, a chunk's weights for both groups
+// and a broadcast), so each unpacked chunk of weights serves R rows and each broadcast of 4 activation bytes
+// serves C groups; the float sums go to acc [R, 2 * GROUP] in L1 once per block. Per multiply-add that is
+// fewer loads and broadcasts than a tile that unpacks a block once for 64 rows and runs them one after
+// another, which is what the AVX2 path did before (docs/performance.md, "AVX2 only: AMD EPYC (Zen 3)").
+// pf: prefetch the weights ahead (the first strip of rows reads them from memory, the others from L1).
+template <int64_t fmt, int R, int C>
+__attribute__((target("avx2,fma,f16c"))) void avx2_block(const uint8_t* w, int64_t gstride, int64_t nb, const Rows& xr,
+                                                         int64_t r0, bool pf, float* acc) {
+  const Rows x = xr;  // a local copy: the stores to acc cannot change its pointers, so they stay in registers
+  const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const int8_t* xq = x.q + r0 * x.k;
+  const int64_t xk = x.k;
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* rec = w + b * gb;  // group c's record: rec + c * gstride
+    if (pf) {
+      if (C == 2) prefetch_pair(w, b, nb, gb);
+      else prefetch_ahead(rec, gb);
+    }
+    __m256i s[R][C];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+      #pragma GCC unroll 4
+      for (int c = 0; c < C; c++) s[r][c] = _mm256_setzero_si256();
+    #pragma GCC unroll 1  // a loop: unrolled (as -O3 does), its loads are hoisted and spilled
+    for (int j = 0; j < 4; j++) {  // chunk j: values 4j.. in the low nibbles, then 16 + 4j.. in the high
+      #pragma GCC unroll 2
+      for (int h = 0; h < 2; h++) {  // one half at a time: C weight vectors live, not 2 C
+        __m256i wh[C];
+        #pragma GCC unroll 4
+        for (int c = 0; c < C; c++) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(rec + c * gstride + qoff + 32 * j));
+          wh[c] = _mm256_and_si256(h == 0 ? v : _mm256_srli_epi16(v, 4), low);
+        }
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+          const __m256i xb = _mm256_set1_epi32(((const int32_t*)(xq + r * xk + b * QK))[j + 4 * h]);
+          #pragma GCC unroll 4
+          for (int c = 0; c < C; c++) s[r][c] = _mm256_add_epi16(s[r][c], _mm256_maddubs_epi16(wh[c], xb));
+        }
+      }
+    }
+    __m256 dw[C], mw[C];
+    #pragma GCC unroll 4
+    for (int c = 0; c < C; c++) {
+      dw[c] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + c * gstride)));
+      mw[c] = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + c * gstride + 16))) : _mm256_setzero_ps();
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+      #pragma GCC unroll 4
+      for (int c = 0; c < C; c++) {
+        const __m256i isum = _mm256_madd_epi16(s[r][c], ones);
+        float* a = acc + r * 2 * GROUP + c * GROUP;
+        _mm256_storeu_ps(a, float_step8<fmt>(_mm256_loadu_ps(a), isum, dw[c], mw[c], x, (r0 + r) * x.nb + b));
+      }
+    }
+  }
+}
+
+template <int64_t fmt, int C>
+void block_rows(const uint8_t* w, int64_t gstride, int64_t nb, const Rows& x, int64_t r0, int64_t rows, bool pf,
+                float* acc) {
+  switch (rows) {
+    case 1: avx2_block<fmt, 1, C>(w, gstride, nb, x, r0, pf, acc); break;
+    case 2: avx2_block<fmt, 2, C>(w, gstride, nb, x, r0, pf, acc); break;
+    case 3: avx2_block<fmt, 3, C>(w, gstride, nb, x, r0, pf, acc); break;
+    default: avx2_block<fmt, 4, C>(w, gstride, nb, x, r0, pf, acc); break;
+  }
+}
+
+template <int64_t fmt>
+void columns_avx2_t(const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& x, int64_t m, int64_t g0, int64_t g1,
+                    float* y, int64_t n, const float* res) {
+  alignas(32) float acc[4 * 2 * GROUP];
+  for (int64_t g = g0; g < g1; g += 2) {
+    const int64_t pair = std::min<int64_t>(2, g1 - g);
+    const uint8_t* w = wp + g * gstride;
+    for (int64_t r = 0; r < m; r += 4) {  // strips of 4 rows; the pair's weights stay in L1 across them
+      const int64_t rows = std::min<int64_t>(4, m - r);
+      std::memset(acc, 0, sizeof(acc));
+      if (pair == 2) block_rows<fmt, 2>(w, gstride, nb, x, r, rows, r == 0, acc);
+      else block_rows<fmt, 1>(w, gstride, nb, x, r, rows, r == 0, acc);
+      for (int64_t c = 0; c < pair; c++) {
+        const int64_t cols = std::min<int64_t>(GROUP, n - (g + c) * GROUP);
+        store_rows(y, res, n, r, rows, (g + c) * GROUP, cols, acc + c * GROUP, 2 * GROUP);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void rows_avx2(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
+  if (fmt == Q4_0) rows_avx2_t<Q4_0>(w, nb, x, r0, r1, acc);
+  else if (fmt == Q4_1) rows_avx2_t<Q4_1>(w, nb, x, r0, r1, acc);
+  else rows_avx2_t<Q8_0>(w, nb, x, r0, r1, acc);
+}
+
+void columns_avx2(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& x, int64_t m, int64_t g0,
+                  int64_t g1, float* y, int64_t n, const float* res) {
+  if (fmt == Q4_0) columns_avx2_t<Q4_0>(wp, gstride, nb, x, m, g0, g1, y, n, res);
+  else columns_avx2_t<Q4_1>(wp, gstride, nb, x, m, g0, g1, y, n, res);
+}
+
+}  // namespace dflash_blocks
+#endif
