@@ -154,6 +154,36 @@ def test_fallback_controller_policy():
     assert fast.state == "speculate" and not fast.events
 
 
+def test_fallback_controller_times_plain_steps_again():
+    """A baseline timed once in a slow moment (or carried from an earlier request) does not keep a losing
+    drafter on: after remeasure_after tokens of speculation the plain steps are timed again, and the gap
+    doubles each time speculation still wins."""
+    c = FallbackController(window=4, measure_steps=2, remeasure_after=40)
+    for _ in range(5):  # the first cycle is skipped; 4 tokens per cycle at 4 ms: 1 ms per token
+        c.observe(8, 4, 0.004)
+    assert c.state == "measure"
+    for _ in range(2):  # the host was busy: plain steps at 10 ms
+        c.observe(1, 1, 0.010)
+    assert c.state == "speculate" and not c.events
+    modes = []
+    while c.tokens < 200 and c.state != "target":  # plain steps take 0.5 ms now, speculation 1 ms a token
+        size = c.block_size(None)
+        modes.append(size > 1)
+        c.observe(size, 4 if size > 1 else 1, 0.004 if size > 1 else 0.0005)
+    assert c.state == "target" and c.events[-1]["event"] == "fallback" and 40 <= c.events[-1]["token"] < 80
+    assert c.events[-1]["target_ms_per_token"] == 0.5
+    steady = FallbackController(window=4, measure_steps=2, remeasure_after=40, target_s_per_token=0.002)
+    measured_at = []
+    while steady.tokens < 1000:  # speculation keeps winning: measured after ~40, 40, 80, 160, 320 more tokens
+        size = steady.block_size(None)
+        if size == 1 and (not measured_at or steady.tokens - measured_at[-1] > 8):
+            measured_at.append(steady.tokens)
+        steady.observe(size, 4 if size > 1 else 1, 0.004 if size > 1 else 0.002)
+    assert steady.state == "speculate" and not steady.events and len(measured_at) == 5
+    gaps = [b - a for a, b in zip(measured_at, measured_at[1:])]
+    assert all(g2 > 1.5 * g1 for g1, g2 in zip(gaps, gaps[1:])), measured_at
+
+
 def test_greedy_output_is_identical_in_every_mode(pipe):
     ids = pipe.encode_messages(MSGS)
     want = generate(pipe, ids, 60, use_draft=False).token_ids

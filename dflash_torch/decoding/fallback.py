@@ -7,9 +7,12 @@ than a plain target step. `FallbackController` is the per-cycle `controller` hoo
 block size 1 when speculation is slower, and probes speculation again after a number of tokens. The
 gap doubles each time a probe fails, and is at least long enough that the time the last window lost
 against plain steps is `probe_budget` of the time between probes: where a wide verify costs several
-decode steps (quantized targets on a CPU), a probe costs more, so it comes less often. A server
-carries the fallen-back state into the next request (`carry`), so each request does not pay for
-finding out again. Output never depends on it: every token is the target's.
+decode steps (quantized targets on a CPU), a probe costs more, so it comes less often. While
+speculation keeps winning, the plain steps are timed again now and then (`remeasure_after` tokens, the gap
+doubling each time): one slow measurement (a busy host) would otherwise keep a losing drafter on for the
+rest of the request, and a server's baseline from earlier requests may be stale. A server carries the
+fallen-back state into the next request (`carry`), so each request does not pay for finding out again.
+Output never depends on it: every token is the target's.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ class FallbackController:
     tried again (doubled after each failed probe, up to max_probe_after). margin: speculation must
     be this fraction slower than the target before falling back (noise guard). probe_budget: the
     share of decoding time that failed probes may cost.
-    target_s_per_token: a known baseline (e.g. from earlier requests) that spares the measurement.
+    target_s_per_token: a known baseline (e.g. from earlier requests) that spares the first measurement.
     carried: `carry()` of the previous request's controller: start fallen back, probing when it was due.
+    remeasure_after: tokens of speculation before the plain steps are timed again (doubled after each
+    time speculation still wins, up to max_probe_after).
     """
 
     def __init__(
@@ -41,6 +46,7 @@ class FallbackController:
         target_s_per_token: float | None = None,
         probe_budget: float = 0.05,
         carried: dict | None = None,
+        remeasure_after: int = 256,
     ) -> None:
         self.window, self.measure_steps, self.margin = window, measure_steps, margin
         self.probe_after, self.max_probe_after, self._first_probe = probe_after, max_probe_after, probe_after
@@ -56,6 +62,7 @@ class FallbackController:
         self._skip_first = True
         self._probe_at = 0
         self.probe_budget = probe_budget
+        self._remeasure_gap = self._remeasure_at = remeasure_after
         if carried is not None:  # the drafter lost in an earlier request: stay off until its probe is due
             self.state, self._probe_at = "target", max(0, int(carried["probe_in_tokens"]))
             self.probe_after = int(carried["probe_after"])
@@ -78,12 +85,17 @@ class FallbackController:
             self.plain.append((seconds, committed))
         if self.state == "speculate" and self._fresh >= self.window:
             self._fresh = 0
-            if self.target_s_per_token is None:
+            if self.target_s_per_token is None or self.tokens >= self._remeasure_at:
                 self.state = "measure"
+                self.plain.clear()  # time them afresh
             else:
                 self._decide()
         elif self.state == "measure" and len(self.plain) >= self.measure_steps:
             self._decide()
+            if self.state == "speculate":  # still winning: the next measurement comes later
+                self._remeasure_at = self.tokens + self._remeasure_gap
+                self._remeasure_gap = min(2 * self._remeasure_gap, self.max_probe_after)
+                self._skip_first = True  # the drafter first catches up on the plain steps' tokens
         elif self.state == "target" and self.tokens >= self._probe_at:
             self.state, self._fresh, self._skip_first = "speculate", 0, True
             self.spec.clear()  # judge the probe on fresh cycles only
@@ -130,6 +142,7 @@ class FallbackController:
         if probing:  # the probe won: speculation is back, and the next fallback probes soon again
             self.events.append({"event": "resume", "token": self.tokens})
             self.probe_after = self._first_probe
+            self._remeasure_at = self.tokens + self._remeasure_gap  # the plain steps were timed just now
 
 
 def _per_token(window: deque[tuple[float, int]]) -> float | None:
