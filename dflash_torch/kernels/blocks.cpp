@@ -179,11 +179,11 @@ int64_t amx_min_rows() {
   return forced ? forced : 8;
 }
 
-// Up to this many rows the AVX2 path keeps a Q4 matmul's float sums in registers (rows_avx2: 4 rows per pass
-// over one column group's weights); past it the rows go in strips of 4 rows x 2 column groups (columns_avx2).
-// Q8_0 stays on rows_avx2 at every row count: its sign step per product leaves the strips no gain. Measured
-// on an AMD Zen 3 (docs/performance.md, "AVX2 only: AMD EPYC (Zen 3)"). DFLASH_AVX2_ROWS overrides the
-// count, for measuring (the paths give the same bits).
+// Up to this many rows the AVX2 path keeps a Q4 matmul's float sums in registers (columns_rows_avx2: 4 rows per
+// pass over one column group's weights); past it the rows go in strips of 4 rows x 2 column groups
+// (columns_avx2). Q8_0 stays on the register rows at every row count: its sign step per product leaves the
+// strips no gain. Measured on an AMD Zen 3 (docs/performance.md, "AVX2 only: AMD EPYC (Zen 3)").
+// DFLASH_AVX2_ROWS overrides the count, for measuring (the paths give the same bits).
 int64_t avx2_tile_rows() {
   static const int64_t forced = [] {
     const char* v = std::getenv("DFLASH_AVX2_ROWS");
@@ -367,8 +367,11 @@ void mm_columns(const MmCall& c, int64_t u0, int64_t u1) {
     return;
   }
 #ifdef DFLASH_X86
-  if (c.isa == AVX2 && !c.narrow && fmt != Q8_0 && m > avx2_tile_rows()) {  // strips of 4 rows x 2 groups
-    columns_avx2(fmt, c.wp, c.gstride, nb, rows, m, u0, u1, c.y, n, c.res);
+  if (c.isa == AVX2 && !c.narrow) {
+    if (fmt != Q8_0 && m > avx2_tile_rows())  // strips of 4 rows x 2 groups
+      columns_avx2(fmt, c.wp, c.gstride, nb, rows, m, u0, u1, c.y, n, c.res);
+    else
+      columns_rows_avx2(fmt, c.wp, c.gstride, nb, rows, m, u0, u1, c.y, n, c.res);
     return;
   }
 #endif
@@ -381,8 +384,6 @@ void mm_columns(const MmCall& c, int64_t u0, int64_t u1) {
 #ifdef DFLASH_X86
       if (c.narrow)
         rows_vnni256(fmt, wg, nb, rows, t0, t1, acc);
-      else if (c.isa == AVX2)
-        rows_avx2(fmt, wg, nb, rows, t0, t1, acc);
       else
 #endif
         tile_scalar(fmt, wg, nb, rows, t0, t1, acc);

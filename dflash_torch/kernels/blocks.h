@@ -113,9 +113,10 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 float_step8(__m256 acc, _
 
 // Threads split pairs of column groups [p0, p1) (16 output columns each); y [m, n] (+ res [m, n]).
 #ifdef DFLASH_X86
-// blocks_avx2.cpp: rows [r0, r1) (at most 8) of one 8-column group into acc [r1 - r0, GROUP], their sums in
-// registers; and column groups [g0, g1) for all m rows, in strips of 4 rows x 2 groups, into y (+ res)
-void rows_avx2(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc);
+// blocks_avx2.cpp: column groups [g0, g1) for all m rows into y (+ res): 4 rows per pass over a group, their
+// float sums in registers (columns_rows_avx2); or Q4 in strips of 4 rows x 2 groups (columns_avx2)
+void columns_rows_avx2(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& x, int64_t m,
+                       int64_t g0, int64_t g1, float* y, int64_t n, const float* res);
 void columns_avx2(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& x, int64_t m, int64_t g0,
                   int64_t g1, float* y, int64_t n, const float* res);
 void columns_vnni(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t groups, int64_t nb, const Rows& x,

@@ -17,6 +17,8 @@
 namespace dflash_blocks {
 namespace {
 
+constexpr int64_t TILE = 64;  // rows per tile: each column group runs a tile's rows before the next group
+
 // A few rows of one column group with their float sums in registers across all blocks (R <= 4: the sums,
 // the rows' int16 chains and one chunk's weights fill the 16 ymm registers). The weights are unpacked one
 // chunk (32 bytes) at a time, so a few rows cost little more than one while the weights stream from memory.
@@ -70,20 +72,51 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_rows(const uint8_t* w, int64_
   for (int r = 0; r < R; r++) _mm256_storeu_ps(out + GROUP * r, acc[r]);
 }
 
-template <int64_t fmt>
-void rows_avx2_t(const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
-  for (int64_t r = r0; r < r1; r += 4) {  // acc [r1 - r0, GROUP]
-    float* out = acc + (r - r0) * GROUP;
-    switch (std::min<int64_t>(4, r1 - r)) {
-      case 1: avx2_rows<fmt, 1>(w, nb, x, r, out); break;
-      case 2: avx2_rows<fmt, 2>(w, nb, x, r, out); break;
-      case 3: avx2_rows<fmt, 3>(w, nb, x, r, out); break;
-      default: avx2_rows<fmt, 4>(w, nb, x, r, out); break;
+// rows [r0, r0 + rows) of one column group's sums acc [rows, GROUP] into y (+ res) at column c0, as store_rows
+// (blocks.h) writes them: a full group by 8-wide loads and stores, the last, partial group lane by lane
+__attribute__((target("avx2,fma,f16c"))) inline void store_group(const float* acc, int64_t rows, float* y,
+                                                                const float* res, int64_t n, int64_t r0, int64_t c0,
+                                                                int64_t cols) {
+  for (int64_t r = 0; r < rows; r++) {
+    float* out = y + (r0 + r) * n + c0;
+    const float* a = acc + r * GROUP;
+    if (cols == GROUP) {
+      __m256 v = _mm256_loadu_ps(a);
+      if (res != nullptr) v = _mm256_add_ps(_mm256_loadu_ps(res + (r0 + r) * n + c0), v);
+      _mm256_storeu_ps(out, v);
+    } else {
+      for (int64_t c = 0; c < cols; c++) out[c] = res != nullptr ? res[(r0 + r) * n + c0 + c] + a[c] : a[c];
     }
   }
 }
 
-// R rows x C column groups (C <= 2) of a Q4 matmul over all blocks, for more rows than rows_avx2 takes: the
+// column groups [g0, g1) for all m rows on the register rows, 4 rows per pass over a group's weights, each
+// group's results stored straight into y rather than through a zeroed tile and a copy per row (2-4% off
+// matmuls of 4-8 rows, level at 1-2: tools/kernel_ab.py --mb 96 on an AMD Zen 3)
+template <int64_t fmt>
+void columns_rows_t(const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& x, int64_t m, int64_t g0, int64_t g1,
+                    float* y, int64_t n, const float* res) {
+  alignas(32) float acc[4 * GROUP];
+  for (int64_t t0 = 0; t0 < m; t0 += TILE) {  // a prefill's rows a tile at a time: their quants stay in L2
+    const int64_t t1 = std::min(m, t0 + TILE);
+    for (int64_t g = g0; g < g1; g++) {
+      const uint8_t* w = wp + g * gstride;
+      const int64_t cols = std::min<int64_t>(GROUP, n - g * GROUP);
+      for (int64_t r = t0; r < t1; r += 4) {
+        const int64_t rows = std::min<int64_t>(4, t1 - r);
+        switch (rows) {
+          case 1: avx2_rows<fmt, 1>(w, nb, x, r, acc); break;
+          case 2: avx2_rows<fmt, 2>(w, nb, x, r, acc); break;
+          case 3: avx2_rows<fmt, 3>(w, nb, x, r, acc); break;
+          default: avx2_rows<fmt, 4>(w, nb, x, r, acc); break;
+        }
+        store_group(acc, rows, y, res, n, r, g * GROUP, cols);
+      }
+    }
+  }
+}
+
+// R rows x C column groups (C <= 2) of a Q4 matmul over all blocks, for more rows than avx2_rows takes: the
 // int16 block sums of the R x C pairs in registers (R = 4, C = 2: 8 sums, a chunk's weights for both groups
 // and a broadcast), so each unpacked chunk of weights serves R rows and each broadcast of 4 activation bytes
 // serves C groups; the float sums go to acc [R, 2 * GROUP] in L1 once per block. Per multiply-add that is
@@ -160,17 +193,20 @@ template <int64_t fmt>
 void columns_avx2_t(const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& x, int64_t m, int64_t g0, int64_t g1,
                     float* y, int64_t n, const float* res) {
   alignas(32) float acc[4 * 2 * GROUP];
-  for (int64_t g = g0; g < g1; g += 2) {
-    const int64_t pair = std::min<int64_t>(2, g1 - g);
-    const uint8_t* w = wp + g * gstride;
-    for (int64_t r = 0; r < m; r += 4) {  // strips of 4 rows; the pair's weights stay in L1 across them
-      const int64_t rows = std::min<int64_t>(4, m - r);
-      std::memset(acc, 0, sizeof(acc));
-      if (pair == 2) block_rows<fmt, 2>(w, gstride, nb, x, r, rows, r == 0, acc);
-      else block_rows<fmt, 1>(w, gstride, nb, x, r, rows, r == 0, acc);
-      for (int64_t c = 0; c < pair; c++) {
-        const int64_t cols = std::min<int64_t>(GROUP, n - (g + c) * GROUP);
-        store_rows(y, res, n, r, rows, (g + c) * GROUP, cols, acc + c * GROUP, 2 * GROUP);
+  for (int64_t t0 = 0; t0 < m; t0 += TILE) {  // a prefill's rows a tile at a time: their quants stay in L2
+    const int64_t t1 = std::min(m, t0 + TILE);
+    for (int64_t g = g0; g < g1; g += 2) {
+      const int64_t pair = std::min<int64_t>(2, g1 - g);
+      const uint8_t* w = wp + g * gstride;
+      for (int64_t r = t0; r < t1; r += 4) {  // strips of 4 rows; the pair's weights stay in L1 across them
+        const int64_t rows = std::min<int64_t>(4, t1 - r);
+        std::memset(acc, 0, sizeof(acc));
+        if (pair == 2) block_rows<fmt, 2>(w, gstride, nb, x, r, rows, r == t0, acc);
+        else block_rows<fmt, 1>(w, gstride, nb, x, r, rows, r == t0, acc);
+        for (int64_t c = 0; c < pair; c++) {
+          const int64_t cols = std::min<int64_t>(GROUP, n - (g + c) * GROUP);
+          store_rows(y, res, n, r, rows, (g + c) * GROUP, cols, acc + c * GROUP, 2 * GROUP);
+        }
       }
     }
   }
@@ -178,10 +214,11 @@ void columns_avx2_t(const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& 
 
 }  // namespace
 
-void rows_avx2(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
-  if (fmt == Q4_0) rows_avx2_t<Q4_0>(w, nb, x, r0, r1, acc);
-  else if (fmt == Q4_1) rows_avx2_t<Q4_1>(w, nb, x, r0, r1, acc);
-  else rows_avx2_t<Q8_0>(w, nb, x, r0, r1, acc);
+void columns_rows_avx2(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& x, int64_t m,
+                       int64_t g0, int64_t g1, float* y, int64_t n, const float* res) {
+  if (fmt == Q4_0) columns_rows_t<Q4_0>(wp, gstride, nb, x, m, g0, g1, y, n, res);
+  else if (fmt == Q4_1) columns_rows_t<Q4_1>(wp, gstride, nb, x, m, g0, g1, y, n, res);
+  else columns_rows_t<Q8_0>(wp, gstride, nb, x, m, g0, g1, y, n, res);
 }
 
 void columns_avx2(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& x, int64_t m, int64_t g0,
