@@ -116,7 +116,7 @@ void columns_rows_t(const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& 
   }
 }
 
-// R rows x C column groups (C <= 2) of a Q4 matmul over all blocks, for more rows than avx2_rows takes: the
+// R rows x C column groups (C <= 2) of a Q4 matmul over all blocks, past avx2_tile_rows() rows (blocks.cpp): the
 // int16 block sums of the R x C pairs in registers (R = 4, C = 2: 8 sums, a chunk's weights for both groups
 // and a broadcast), so each unpacked chunk of weights serves R rows and each broadcast of 4 activation bytes
 // serves C groups; the float sums go to acc [R, 2 * GROUP] in L1 once per block. Per multiply-add that is
