@@ -195,8 +195,11 @@ void columns_avx2_t(const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& 
   alignas(32) float acc[4 * 2 * GROUP];
   for (int64_t t0 = 0; t0 < m; t0 += TILE) {  // a prefill's rows a tile at a time: their quants stay in L2
     const int64_t t1 = std::min(m, t0 + TILE);
-    for (int64_t g = g0; g < g1; g += 2) {
-      const int64_t pair = std::min<int64_t>(2, g1 - g);
+    // groups per strip: two from 9 rows; below, where each weight is read once, from memory, one group's stream
+    // went faster than two (and than the register rows at 4-5 rows: docs/performance.md)
+    const int64_t per = m > 8 ? 2 : 1;
+    for (int64_t g = g0; g < g1; g += per) {
+      const int64_t pair = std::min<int64_t>(per, g1 - g);
       const uint8_t* w = wp + g * gstride;
       for (int64_t r = t0; r < t1; r += 4) {  // strips of 4 rows; the pair's weights stay in L1 across them
         const int64_t rows = std::min<int64_t>(4, t1 - r);
