@@ -90,9 +90,9 @@ __attribute__((target("avx2,fma,f16c"))) inline void store_group(const float* ac
   }
 }
 
-// column groups [g0, g1) for all m rows on the register rows, 4 rows per pass over a group's weights, each
-// group's results stored straight into y rather than through a zeroed tile and a copy per row (2-4% off
-// matmuls of 4-8 rows, level at 1-2: tools/kernel_ab.py --mb 96 on an AMD Zen 3)
+// column groups [g0, g1) for all m rows on the register rows (a Q4 matmul of 1-3 rows, Q8_0 at every count), 4
+// rows per pass over a group's weights, each group's results stored straight into y rather than through a zeroed
+// tile and a copy per row
 template <int64_t fmt>
 void columns_rows_t(const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& x, int64_t m, int64_t g0, int64_t g1,
                     float* y, int64_t n, const float* res) {
