@@ -38,8 +38,6 @@ namespace {
 
 using namespace dflash_blocks;
 
-constexpr int TILE_ROWS = 64;  // rows that share one unpacking of a weight block (the scalar twin)
-
 inline float half_to_float(uint16_t h) {  // exact
   uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
   if (exp == 0) {

@@ -29,6 +29,7 @@ namespace dflash_blocks {
 enum Format : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 constexpr int QK = 32;    // values per block
 constexpr int GROUP = 8;  // output columns per packed group
+constexpr int TILE_ROWS = 64;  // rows a column group takes before the next (a prefill's quants stay in L2)
 
 inline int64_t group_bytes(int64_t fmt) {  // bytes of one (group, block) record
   return fmt == Q4_0 ? 2 * GROUP + 16 * GROUP : fmt == Q4_1 ? 4 * GROUP + 16 * GROUP : 2 * GROUP + 32 * GROUP;

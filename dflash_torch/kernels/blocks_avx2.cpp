@@ -17,8 +17,6 @@
 namespace dflash_blocks {
 namespace {
 
-constexpr int64_t TILE = 64;  // rows per tile: each column group runs a tile's rows before the next group
-
 // A few rows of one column group with their float sums in registers across all blocks (R <= 4: the sums,
 // the rows' int16 chains and one chunk's weights fill the 16 ymm registers). The weights are unpacked one
 // chunk (32 bytes) at a time, so a few rows cost little more than one while the weights stream from memory.
@@ -72,33 +70,14 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_rows(const uint8_t* w, int64_
   for (int r = 0; r < R; r++) _mm256_storeu_ps(out + GROUP * r, acc[r]);
 }
 
-// rows [r0, r0 + rows) of one column group's sums acc [rows, GROUP] into y (+ res) at column c0, as store_rows
-// (blocks.h) writes them: a full group by 8-wide loads and stores, the last, partial group lane by lane
-__attribute__((target("avx2,fma,f16c"))) inline void store_group(const float* acc, int64_t rows, float* y,
-                                                                const float* res, int64_t n, int64_t r0, int64_t c0,
-                                                                int64_t cols) {
-  for (int64_t r = 0; r < rows; r++) {
-    float* out = y + (r0 + r) * n + c0;
-    const float* a = acc + r * GROUP;
-    if (cols == GROUP) {
-      __m256 v = _mm256_loadu_ps(a);
-      if (res != nullptr) v = _mm256_add_ps(_mm256_loadu_ps(res + (r0 + r) * n + c0), v);
-      _mm256_storeu_ps(out, v);
-    } else {
-      for (int64_t c = 0; c < cols; c++) out[c] = res != nullptr ? res[(r0 + r) * n + c0 + c] + a[c] : a[c];
-    }
-  }
-}
-
 // column groups [g0, g1) for all m rows on the register rows (a Q4 matmul of 1-3 rows, Q8_0 at every count), 4
-// rows per pass over a group's weights, each group's results stored straight into y rather than through a zeroed
-// tile and a copy per row
+// rows per pass over a group's weights, each pass's sums stored into y (store_rows) without a zeroed tile between
 template <int64_t fmt>
 void columns_rows_t(const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& x, int64_t m, int64_t g0, int64_t g1,
                     float* y, int64_t n, const float* res) {
   alignas(32) float acc[4 * GROUP];
-  for (int64_t t0 = 0; t0 < m; t0 += TILE) {  // a prefill's rows a tile at a time: their quants stay in L2
-    const int64_t t1 = std::min(m, t0 + TILE);
+  for (int64_t t0 = 0; t0 < m; t0 += TILE_ROWS) {  // a prefill's rows a tile at a time
+    const int64_t t1 = std::min<int64_t>(m, t0 + TILE_ROWS);
     for (int64_t g = g0; g < g1; g++) {
       const uint8_t* w = wp + g * gstride;
       const int64_t cols = std::min<int64_t>(GROUP, n - g * GROUP);
@@ -110,7 +89,7 @@ void columns_rows_t(const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& 
           case 3: avx2_rows<fmt, 3>(w, nb, x, r, acc); break;
           default: avx2_rows<fmt, 4>(w, nb, x, r, acc); break;
         }
-        store_group(acc, rows, y, res, n, r, g * GROUP, cols);
+        store_rows(y, res, n, r, rows, g * GROUP, cols, acc, GROUP);
       }
     }
   }
@@ -193,8 +172,8 @@ template <int64_t fmt>
 void columns_avx2_t(const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& x, int64_t m, int64_t g0, int64_t g1,
                     float* y, int64_t n, const float* res) {
   alignas(32) float acc[4 * 2 * GROUP];
-  for (int64_t t0 = 0; t0 < m; t0 += TILE) {  // a prefill's rows a tile at a time: their quants stay in L2
-    const int64_t t1 = std::min(m, t0 + TILE);
+  for (int64_t t0 = 0; t0 < m; t0 += TILE_ROWS) {  // a prefill's rows a tile at a time
+    const int64_t t1 = std::min<int64_t>(m, t0 + TILE_ROWS);
     // groups per strip: two from 9 rows; below, where each weight is read once, from memory, one group's stream
     // went faster than two (and than the register rows at 4-5 rows: docs/performance.md)
     const int64_t per = m > 8 ? 2 : 1;

@@ -21,7 +21,6 @@ namespace {
   _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)((p0) + (off)))),     \
                      _mm256_loadu_si256((const __m256i*)((p1) + (off))), 1)
 
-
 template <int64_t fmt, int R>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) void vnni_rows(
     const uint8_t* w0, const uint8_t* w1, int64_t nb, const Rows& x, int64_t r0, float* out) {
