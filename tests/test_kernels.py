@@ -200,7 +200,10 @@ def test_without_the_extension_the_reference_serves(tmp_path):
         "    backend = kernels.ensure(); kernels.ensure()\n"
         "y = torch.ops.dflash.block_mm(d['x'], d['p'], 1, 12, -1)\n"
         "z = torch.ops.dflash.block_mm_norm(d['x'], d['w'], 1e-6, d['p'], 1, 12, -1)\n"
-        "torch.save({'backend': backend, 'y': y, 'z': z, 'warnings': [str(w.message) for w in caught]}, sys.argv[2])\n"
+        "kv = d['w'].view(1, 4, 16)\n"
+        "a = torch.ops.dflash.full_attention(d['x'].view(3, 4, 16), kv, kv, 3, 0.25)\n"
+        "torch.save({'backend': backend, 'y': y, 'z': z, 'a': a, 'warnings': [str(w.message) for w in caught]},\n"
+        "           sys.argv[2])\n"
     )
     env = dict(os.environ, DFLASH_NO_EXTENSION="1")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
@@ -210,6 +213,8 @@ def test_without_the_extension_the_reference_serves(tmp_path):
     assert len(out["warnings"]) == 1 and "C++ block kernels are not available" in out["warnings"][0]
     assert torch.equal(out["y"], kernels.block_mm(x, p, 1, 12))
     assert torch.equal(out["z"], reference.block_mm(reference.rms_norm(x, nw, 1e-6), p, 1, 12))
+    kv = nw.view(1, 4, 16)
+    assert torch.equal(out["a"], reference.full_attention(x.view(3, 4, 16), kv, kv, 3, 0.25))
 
 
 @pytest.mark.parametrize("min_rows,vnni256", [("0", "1"), ("9", "1"), ("9", "0")])
@@ -313,6 +318,41 @@ def test_attention_reads_strided_caches():
     k, v = cache_k[1, 0, :, :20], cache_v[1, 0, :, :20]
     got = torch.ops.dflash.causal_attention(q, k, v, 16, 0.2, -1)
     assert torch.equal(got, torch.ops.dflash.causal_attention(q, k.contiguous(), v.contiguous(), 16, 0.2, -1))
+
+
+def test_full_attention_every_query_sees_the_same_keys():
+    """full_attention (a draft block's: every query attends to keys 0 .. n - 1): the paths agree bit for bit, a
+    query's result is the same alone as among T and on 2 or 3 threads, a float16 cache reads as its widened
+    values, and against PyTorch's attention (the reference) it is within float32 rounding; n < T works, n
+    outside 1 .. S is refused."""
+    gen = torch.Generator().manual_seed(21)
+    for t, h, hkv, d, n in [(3, 9, 3, 64, 303), (16, 9, 3, 64, 336), (5, 4, 4, 16, 3), (1, 8, 2, 128, 700),
+                            (7, 4, 2, 24, 60), (4, 6, 3, 96, 130), (2, 8, 2, 32, 1)]:
+        q = torch.randn(t, h, d, generator=gen)
+        k, v = torch.randn(hkv, n + 5, d, generator=gen), torch.randn(hkv, n + 5, d, generator=gen)
+        scale = d**-0.5
+        outs = [torch.ops.dflash.full_attention(q, k, v, n, scale, isa) for isa in _attention_isas()]
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0]), (t, h, d, n)
+        alone = torch.cat([torch.ops.dflash.full_attention(q[i : i + 1], k, v, n, scale, -1) for i in range(t)])
+        assert torch.equal(alone, outs[-1])
+        before = torch.get_num_threads()
+        try:
+            for threads in (2, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(torch.ops.dflash.full_attention(q, k, v, n, scale, -1), outs[-1]), threads
+        finally:
+            torch.set_num_threads(before)
+        kh, vh = k.half(), v.half()
+        assert torch.equal(torch.ops.dflash.full_attention(q, kh, vh, n, scale, -1),
+                           torch.ops.dflash.full_attention(q, kh.float(), vh.float(), n, scale, -1))
+        want = reference.full_attention(q, k, v, n, scale)
+        tol = 4 * (n + d) * 2.0**-24 * v.abs().max()
+        assert (outs[-1] - want).abs().max() <= tol, (t, h, d, n)
+    for bad in (0, 12):
+        with pytest.raises(RuntimeError, match="1 <= n"):
+            torch.ops.dflash.full_attention(torch.zeros(1, 2, 16), torch.zeros(1, 11, 16), torch.zeros(1, 11, 16), bad,
+                                            1.0, -1)
 
 
 @pytest.mark.parametrize("fmt", pack.FORMATS)

@@ -118,6 +118,9 @@ class DraftAttention(nn.Module):
         self.window = c.get("sliding_window") if sliding else None
         self.layer = layer
         self.scale = self.head_dim**-0.5
+        # kernels/attention.cpp's full attention for a cached float32 pass of one block (drafter_blocks sets it with
+        # the norms' kernels): PyTorch's attention cost ~0.1 ms a layer at a few-row draft's shapes, 3-4x the tiles
+        self.kernel = False
 
     def kv(self, k: torch.Tensor, v: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """Projected k and v [B, T, Hkv * D] -> normed, rotated keys and values [B, Hkv, T, D]."""
@@ -150,6 +153,9 @@ class DraftAttention(nn.Module):
             mask = attention_mask(q_pos, k_pos, causal=self.causal, window=self.window)
         if extra_mask is not None:
             mask = extra_mask if mask is None else mask & extra_mask
+        if self.kernel and mask is None and cache is not None and b == 1 and q.dtype == torch.float32:
+            o = torch.ops.dflash.full_attention(q[0].transpose(0, 1), k[0], v[0], k.shape[2], self.scale, -1)
+            return self.o_proj(o[None])  # [1, T, H * D]
         return self.o_proj(attend(q, k, v, mask, self.scale))
 
 
@@ -227,9 +233,13 @@ class FlatDraft(nn.Module):
             layer_v.narrow(2, start, tc).copy_(kv[2 * i + 1].view(tc, hkv, dh).transpose(0, 1))
             layer_k.narrow(2, start + tc, t).copy_(k_blk.transpose(0, 1))
             layer_v.narrow(2, start + tc, t).copy_(flat.linear(y, ls[2]).view(t, hkv, dh).transpose(0, 1))
-            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), layer_k.narrow(2, 0, end),
-                                               layer_v.narrow(2, 0, end), scale=self.scale, enable_gqa=hkv != h)
-            x = flat.add_linear(x, o[0].transpose(0, 1).reshape(t, h * dh), ls[3])  # o [1, H, T, D]
+            if kn and x.dtype == torch.float32:  # kernels/attention.cpp, as DraftAttention runs it
+                a = torch.ops.dflash.full_attention(q, layer_k[0], layer_v[0], end, self.scale, -1)  # [T, H * D]
+            else:
+                a = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), layer_k.narrow(2, 0, end),
+                                                   layer_v.narrow(2, 0, end), scale=self.scale,
+                                                   enable_gqa=hkv != h)[0].transpose(0, 1).reshape(t, h * dh)
+            x = flat.add_linear(x, a, ls[3])
             y = flat.norm(x, self.norms[2 * i + 1], eps, kn)
             x = flat.add_mlp(x, y, ls[4:5] if self.fused_mlp else ls[4:6], ls[-1], self.act)
         return flat.norm(x, self.final_norm, eps, kn)

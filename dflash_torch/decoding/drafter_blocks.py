@@ -22,7 +22,7 @@ from torch import nn
 
 from ..models.layers import RMSNorm, skeleton
 from ..models.quantize import BlockLinear, block_fits, fuse_projections, quantize_blocks
-from .drafter import DFlashDrafter, load_drafter
+from .drafter import DFlashDrafter, DraftAttention, load_drafter
 
 VERSION = 1  # of the cache's contents: bump when the blocks a format gets would change
 
@@ -76,11 +76,11 @@ def _from_blocks(path: Path, fmt: str, stored: dict, skip: set, device, dtype) -
 
 def _norms_in_one_pass(drafter: DFlashDrafter) -> None:
     # A draft pass of a few rows runs a dozen norms; PyTorch's float32 rms_norm is a chain of operators,
-    # kernels/norm.cpp one pass (tools/probes/draft_norm_probe.py times the difference). Every norm, the
-    # modules' and the flat plan's alike, so the two paths keep the same bits. Drafts only propose: the
-    # output is the target's either way.
+    # kernels/norm.cpp one pass (tools/probes/draft_norm_probe.py times the difference); its attention goes to
+    # kernels/attention.cpp's tiles likewise. Every norm and attention, the modules' and the flat plan's alike,
+    # so the paths keep the same bits. Drafts only propose: the output is the target's either way.
     for m in drafter.modules():
-        if isinstance(m, RMSNorm):
+        if isinstance(m, (RMSNorm, DraftAttention)):
             m.kernel = True
 
 

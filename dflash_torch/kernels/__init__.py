@@ -86,6 +86,8 @@ def _register_reference() -> None:
     lib.impl("narrow_rows", lambda: 0, "CompositeExplicitAutograd")
     lib.define("causal_attention(Tensor q, Tensor k, Tensor v, int start, float scale, int isa=-1) -> Tensor")
     lib.impl("causal_attention", reference.causal_attention, "CPU")
+    lib.define("full_attention(Tensor q, Tensor k, Tensor v, int n, float scale, int isa=-1) -> Tensor")
+    lib.impl("full_attention", reference.full_attention, "CPU")
     lib.define("rope_attention(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) k, Tensor(b!) v, int start, "
                "int h, int hkv, float scale) -> Tensor")
     lib.impl("rope_attention", reference.rope_attention, "CPU")

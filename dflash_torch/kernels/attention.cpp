@@ -267,10 +267,11 @@ struct TilePlan {
   int64_t t, h, d, group, hc, chunks, pos, nt, per, stride;  // stride: a query's scores (whole vectors of 16)
 };
 
-// tasks [i0, i1) of a TilePlan: q [t, H, D] of positions start.., out [t, H * D]
+// tasks [i0, i1) of a TilePlan: q [t, H, D] of positions start.., out [t, H * D]; causal false: every query
+// attends to all start + t keys (full_attention)
 template <typename KV>
 void tile_tasks(const TilePlan<KV>& p, int64_t i0, int64_t i1, const float* qp, const KV* kp, int64_t ks, int64_t khs,
-                const KV* vp, int64_t vs, int64_t vhs, int64_t start, float scale, float* op) {
+                const KV* vp, int64_t vs, int64_t vhs, int64_t start, float scale, float* op, bool causal = true) {
   const int64_t h = p.h, d = p.d, hc = p.hc, pos = p.pos;
   // each thread's scratch, kept between calls (zeroed as new vectors would be, without the allocations)
   thread_local std::vector<float> buf, acc;
@@ -290,17 +291,18 @@ void tile_tasks(const TilePlan<KV>& p, int64_t i0, int64_t i1, const float* qp, 
       for (int64_t hi = h0; hi < h1; hi++, count++) {
         qs[count] = qp + (qi * h + hi) * d;
         os[count] = op + qi * h * d + hi * d;
-        ns[count] = start + qi + 1;
+        ns[count] = causal ? start + qi + 1 : start + p.t;
       }
     p.tile(qs.data(), ns.data(), count, kp + g * khs, ks, vp + g * vhs, vs, scale, buf.data(), p.stride, acc.data(),
            os.data());
   }
 }
 
-// query heads t * h of q [T, H, D] against a cache k, v [Hkv, S, D] of KV (float or float16) into out
+// query heads t * h of q [T, H, D] against a cache k, v [Hkv, S, D] of KV (float or float16) into out; query i
+// attends to keys 0 .. start + i (causal), or every query to keys 0 .. start + t - 1 (start may be negative then)
 template <typename KV>
 void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t start, double scale,
-            int64_t isa, torch::Tensor& out) {
+            int64_t isa, torch::Tensor& out, bool causal = true) {
   const int64_t t = q.size(0), h = q.size(1), d = q.size(2), hkv = k.size(0);
   // a tile: up to 32 query heads of one kv head's group (hc of them) at pos consecutive positions
   const int64_t group = h / hkv, hc = std::min<int64_t>(group, 32), chunks = (group + hc - 1) / hc;
@@ -318,7 +320,7 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
     // and values is read and widened once for all positions (the same bits: decode_split_half).
     // tools/probes/attention_ab.py against the tiles (AMD EPYC Zen 4, 2 threads, 30 caches cycled, 512-4k
     // keys): 2 rows 0.79-0.97x, 4 rows 0.63-0.81x, 8 rows 0.72-0.91x; 16 rows gained nothing and stay tiles.
-    if (tile != nullptr && isa == 2 && start + t >= 512 && t <= 8 &&
+    if (causal && tile != nullptr && isa == 2 && start + t >= 512 && t <= 8 &&
         decode_split_half(qp, kp, ks, khs, vp, vs, vhs, start + 1, t, h, hkv, d, (float)scale, op))
       return;
   }
@@ -328,7 +330,7 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
     const int64_t work = hc * std::min(pos, t) * (start + t) * d * 2;
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(work, 1));
     at::parallel_for(0, p.nt * p.per, grain, [&](int64_t i0, int64_t i1) {
-      tile_tasks(p, i0, i1, qp, kp, ks, khs, vp, vs, vhs, start, (float)scale, op);
+      tile_tasks(p, i0, i1, qp, kp, ks, khs, vp, vs, vhs, start, (float)scale, op, causal);
     });
     return;
   }
@@ -339,7 +341,7 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   at::parallel_for(0, t * h, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> buf(start + t + 8);
     for (int64_t i = i0; i < i1; i++) {
-      const int64_t qi = i / h, hi = i % h, g = hi / group, n = start + qi + 1;
+      const int64_t qi = i / h, hi = i % h, g = hi / group, n = causal ? start + qi + 1 : start + t;
       const float* qv = qp + (qi * h + hi) * d;
       float* o = op + qi * h * d + hi * d;
       query_scalar(qv, kp + g * khs, ks, vp + g * vhs, vs, n, d, (float)scale, buf.data(), o);
@@ -367,6 +369,30 @@ torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k
   auto out = torch::empty({t, h * d}, torch::kFloat32);
   if (half) attend<at::Half>(q, k, v, start, scale, isa, out);
   else attend<float>(q, k, v, start, scale, isa, out);
+  return out;
+}
+
+// q [T, H, D]; k, v [Hkv, S, D] as causal_attention takes them: every query attends to keys 0 .. n - 1 (a draft
+// block's positions see each other and the whole context). The tiles and the scalar loop of causal_attention
+// with each query's key count n, so a query's result does not depend on the others in the call either.
+torch::Tensor full_attention(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v, int64_t n,
+                             double scale, int64_t isa) {
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, "full_attention takes q [T, H, D], k/v [Hkv, S, D]");
+  const bool half = k.scalar_type() == torch::kHalf;
+  TORCH_CHECK((k.scalar_type() == torch::kFloat32 || half) && v.scalar_type() == k.scalar_type(),
+              "float32 or float16 keys and values (both alike)");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "keys and values need a contiguous last dimension");
+  const int64_t t = q_in.size(0), h = q_in.size(1), d = q_in.size(2), hkv = k.size(0);
+  TORCH_CHECK(h % hkv == 0 && k.size(2) == d && v.size(2) == d && v.size(0) == hkv, "head shapes do not match");
+  TORCH_CHECK(n >= 1 && n <= k.size(1) && n <= v.size(1), "full_attention needs 1 <= n <= the cache's ", k.size(1),
+              " positions, got ", n);
+  const int64_t best = attention_isa();
+  if (isa < 0) isa = best;
+  TORCH_CHECK(isa <= best, "this CPU lacks attention path ", isa, " (best: ", best, ")");
+  torch::Tensor q = q_in.to(torch::kFloat32).contiguous();
+  auto out = torch::empty({t, h * d}, torch::kFloat32);
+  if (half) attend<at::Half>(q, k, v, n - t, scale, isa, out, false);
+  else attend<float>(q, k, v, n - t, scale, isa, out, false);
   return out;
 }
 
@@ -616,6 +642,8 @@ void decode_step(const DecodePlan& p, int step, int64_t i0, int64_t i1, const fl
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
   m.def("causal_attention(Tensor q, Tensor k, Tensor v, int start, float scale, int isa=-1) -> Tensor");
   m.impl("causal_attention", torch::kCPU, &causal_attention);
+  m.def("full_attention(Tensor q, Tensor k, Tensor v, int n, float scale, int isa=-1) -> Tensor");
+  m.impl("full_attention", torch::kCPU, &full_attention);
   m.def("rope_attention(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) k, Tensor(b!) v, int start, int h, "
         "int hkv, float scale) -> Tensor");
   m.impl("rope_attention", torch::kCPU, &rope_attention);

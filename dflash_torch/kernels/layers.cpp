@@ -38,6 +38,7 @@ struct Ops {
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
                                   int64_t, int64_t, double)>
       rope_attention;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, double, int64_t)> full_attention;
 };
 
 const Ops& ops() {
@@ -54,6 +55,8 @@ const Ops& ops() {
         d.findSchemaOrThrow("dflash::rope_attention", "")
             .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
                           int64_t, double)>(),
+        d.findSchemaOrThrow("dflash::full_attention", "")
+            .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, double, int64_t)>(),
     };
   }();
   return o;
@@ -600,7 +603,6 @@ Tensor draft_stack(const Tensor& x_in, const Tensor& kv_in, const Tensor& q_cos,
   TORCH_CHECK(act >= 0 && act <= 2, "unknown activation code ", act);
   const Ops& o = ops();
   std::vector<Tensor> kv = kv_in.chunk(2 * layers, -1);  // k, v per layer
-  const bool gqa = hkv != h;
   Tensor x = x_in;
   for (int64_t i = 0; i < layers; i++) {
     const int64_t n = per * i, m = n + per - 6;  // m + 3 .. m + 5: o, gate_up, down
@@ -625,10 +627,8 @@ Tensor draft_stack(const Tensor& x_in, const Tensor& kv_in, const Tensor& q_cos,
     layer_v.narrow(2, start, tc).copy_(kv[2 * i + 1].view({tc, hkv, dh}).transpose(0, 1));
     layer_k.narrow(2, start + tc, t).copy_(k_blk.transpose(0, 1));
     layer_v.narrow(2, start + tc, t).copy_(v_out.view({t, hkv, dh}).transpose(0, 1));
-    Tensor attn = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), layer_k.narrow(2, 0, end),
-                                                   layer_v.narrow(2, 0, end), {}, 0.0, false, scale, gqa);
-    x = add_linear(o, x, attn[0].transpose(0, 1).reshape({t, h * dh}), packed[m + 3], codes[m + 3],
-                   biases.get(m + 3));  // attn [1, H, T, D]
+    Tensor attn = o.full_attention.call(q, layer_k[0], layer_v[0], end, scale, -1);  // [T, H * D]
+    x = add_linear(o, x, attn, packed[m + 3], codes[m + 3], biases.get(m + 3));
     std::vector<Tensor> gu =
         norm_linear(o, x, norms[4 * i + 1], eps, packed[m + 4], codes[m + 4], biases.get(m + 4)).chunk(2, -1);
     x = add_linear(o, x, act_mul(gu[0], gu[1], act), packed[m + 5], codes[m + 5], biases.get(m + 5));

@@ -59,6 +59,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(t, h * d)
 
 
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float,
+                   isa: int = -1) -> torch.Tensor:
+    """q [T, H, D], k/v [Hkv, S, D] -> [T, H * D]: every query attends to keys 0 .. n - 1, each query on its own
+    (its result does not depend on T), through PyTorch's attention (not the compiled kernel's bits)."""
+    import torch.nn.functional as F
+
+    t, h, d = q.shape
+    if not 1 <= n <= k.shape[1]:
+        raise ValueError(f"full_attention needs 1 <= n <= the cache's {k.shape[1]} positions, got {n}")
+    k, v = k[None, :, :n].float(), v[None, :, :n].float()  # a float16 cache widens exactly
+    outs = [F.scaled_dot_product_attention(q[i].float()[None, :, None], k, v, scale=scale, enable_gqa=k.shape[1] != h)
+            for i in range(t)]  # T x [1, H, 1, D]
+    return torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(t, h * d)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, isa: int = -1) -> torch.Tensor:
     """w * (x * (1 / sqrt(mean(x^2) + eps))) per row (norm.cpp's formula; its sums in another order)."""
     return w * (x * (1.0 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
