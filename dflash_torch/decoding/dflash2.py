@@ -205,8 +205,8 @@ class CandidateSelector(nn.Module):
         of position j). Each row is the selector's softmax over the candidates, times the drafter's mass on
         them (the chance that the target's token is one of them), so that without an interaction term
         (a fresh selector) they are the drafter's own probabilities."""
-        # Every position's rows in one batched matmul, position 1's k rows all the anchor's (they are equal; one is
-        # kept): a dozen operators where the rows apart took two dozen, which a drafter cycle paid ~0.1 ms for
+        # Every position's rows in one batched matmul, position 1's k rows all the anchor's (equal; one is kept): a
+        # dozen small operators where position 1 apart took twenty, each a few microseconds of dispatch in a cycle
         proj = self.hidden_projection(hidden).float()  # [K, r]
         succ = self.successor_codebook[cand].float() * proj[:, None]  # [K, k, r]: p_j * S[cand[j, m]]
         prev = torch.cat([cand.new_full((1, cand.shape[1]), int(anchor)), cand[:-1]])  # [K, k]: each row's predecessor
@@ -242,8 +242,8 @@ class DFlash2Drafter(DFlashDrafter):
         # Keyed on the tensors the convolutions store (a quantized projection's blocks included): reading
         # `.weight` dequantizes a quantized projection, too slow for every draft, so it is
         # read only when one of them changed. Inference tensors keep no version counter: loaded for inference.
-        # (a leaf projection's own tensors read from its dicts: the module walk of .parameters() took ~0.1 ms, a
-        # tenth of a few-row draft pass)
+        # (a leaf projection's tensors read from its dicts: the module walk of .parameters() and .buffers() on every
+        # draft was most of this check's time)
         version = tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for c in convs
                         for t in (c.base_kernel, *_tensors(c.kernel_projection)))
         if getattr(self, "_identity", (None,))[0] != version:
