@@ -202,8 +202,9 @@ def test_without_the_extension_the_reference_serves(tmp_path):
         "z = torch.ops.dflash.block_mm_norm(d['x'], d['w'], 1e-6, d['p'], 1, 12, -1)\n"
         "kv = d['w'].view(1, 4, 16)\n"
         "a = torch.ops.dflash.full_attention(d['x'].view(3, 4, 16), kv, kv, 3, 0.25)\n"
-        "torch.save({'backend': backend, 'y': y, 'z': z, 'a': a, 'warnings': [str(w.message) for w in caught]},\n"
-        "           sys.argv[2])\n"
+        "t = torch.ops.dflash.top_probs(d['x'], 5)\n"
+        "w = [str(w.message) for w in caught]\n"
+        "torch.save({'backend': backend, 'y': y, 'z': z, 'a': a, 't': t, 'warnings': w}, sys.argv[2])\n"
     )
     env = dict(os.environ, DFLASH_NO_EXTENSION="1")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
@@ -215,6 +216,7 @@ def test_without_the_extension_the_reference_serves(tmp_path):
     assert torch.equal(out["z"], reference.block_mm(reference.rms_norm(x, nw, 1e-6), p, 1, 12))
     kv = nw.view(1, 4, 16)
     assert torch.equal(out["a"], reference.full_attention(x.view(3, 4, 16), kv, kv, 3, 0.25))
+    assert all(torch.equal(a, b) for a, b in zip(out["t"], reference.top_probs(x, 5)))
 
 
 @pytest.mark.parametrize("min_rows,vnni256", [("0", "1"), ("9", "1"), ("9", "0")])
@@ -489,6 +491,33 @@ def test_rope_attention_rounds_into_a_float16_cache_as_copy_does():
         want_k = torch.zeros_like(k)
         want_k[:, start : start + t] = qk[:, h:].transpose(0, 1)
         assert torch.equal(k.view(torch.int16), want_k.view(torch.int16)), d
+
+
+def test_top_probs_are_the_softmax_at_the_top_k():
+    """top_probs (a tree draft's candidates): the scalar and AVX2 paths give the same bits; on rows without ties
+    the indices are torch.topk's and the probabilities the softmax's at them (within float32 rounding of a sum
+    over the row); ties go to the lower index; a NaN counts as -inf; k outside 1 .. V is refused."""
+    gen = torch.Generator().manual_seed(13)
+    isas = [0, 1] if kernels.best_isa() in ("avx2", "vnni", "amx") else [0]
+    for width, k in ((1, 1), (7, 3), (8, 8), (9, 8), (31, 5), (1000, 8), (8192, 8), (49152, 16)):
+        x = torch.randn(6, width, generator=gen) * 4
+        outs = [torch.ops.dflash.top_probs(x, k, isa) for isa in isas]
+        for p, i in outs[1:]:
+            assert torch.equal(p, outs[0][0]) and torch.equal(i, outs[0][1]), (width, k)
+        probs, idx = outs[-1]
+        top = x.topk(k, dim=-1)
+        assert torch.equal(idx, top.indices), (width, k)
+        want = (top.values - x.logsumexp(-1, keepdim=True)).exp()
+        assert ((probs - want).abs() <= 8 * width * 2.0**-24 * want + 1e-30).all(), (width, k)
+        assert torch.equal(kernels.top_probs(x, k)[1], idx)
+    x = torch.tensor([[1.0, 3.0, 2.0, 3.0, float("nan"), 3.0, 0.5, 2.0, 3.0, 1.0]])
+    for isa in isas:
+        p, i = torch.ops.dflash.top_probs(x, 5, isa)
+        assert i.tolist() == [[1, 3, 5, 8, 2]]  # the four 3s in index order, then the first 2; the NaN never
+        assert torch.equal(p[0, :4], p[0, :1].expand(4)) and p[0, 4] < p[0, 0]
+        for bad in (0, 11):
+            with pytest.raises(RuntimeError, match="1 <= k"):
+                torch.ops.dflash.top_probs(x, bad, isa)
 
 
 def test_argmax_rows_is_torch_argmax():

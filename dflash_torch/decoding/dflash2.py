@@ -238,12 +238,12 @@ class DFlash2Drafter(DFlashDrafter):
         # FlatDraft has no convolutions, but where every one computes the identity (base kernel 1 on the
         # current position, 0 before it, no dynamic part: a selector trained onto a first-format drafter,
         # `train_selector.py`) the layers are the first format's and it computes the same bits.
-        convs = [c for layer in self.layers for c in (layer.attention_conv, layer.mlp_conv)]
         # Keyed on the tensors the convolutions store (a quantized projection's blocks included): reading
         # `.weight` dequantizes a quantized projection, too slow for every draft, so it is
         # read only when one of them changed. Inference tensors keep no version counter: loaded for inference.
-        # (a leaf projection's tensors read from its dicts: the module walk of .parameters() and .buffers() on every
-        # draft was most of this check's time)
+        # (A leaf projection's tensors read from its dicts: walking the modules with .parameters() and .buffers() on
+        # every draft was most of this check's time.)
+        convs = self._convs()
         version = tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for c in convs
                         for t in (c.base_kernel, *_tensors(c.kernel_projection)))
         if getattr(self, "_identity", (None,))[0] != version:
@@ -251,12 +251,15 @@ class DFlash2Drafter(DFlashDrafter):
             self._identity = (version, plain and all(_is_identity(c) for c in convs))
         return super()._flat_plan() if self._identity[1] else None
 
+    def _convs(self) -> list[DynamicConv]:
+        return [c for layer in self.layers for c in (layer.attention_conv, layer.mlp_conv)]
+
     def first_format(self) -> DFlashDrafter:
         """The drafter without its selector, as a first-format drafter that drafts each position's argmax. Only
         where every convolution computes the identity (a selector trained onto a first-format drafter,
         `train_selector.py`): then the layers compute exactly the first format's. `dflash train` continues
         training such a drafter, or trains it a new selector, from this."""
-        convs = [c for layer in self.layers for c in (layer.attention_conv, layer.mlp_conv)]
+        convs = self._convs()
         if not all(isinstance(getattr(c.kernel_projection, "weight", None), torch.Tensor) and _is_identity(c)
                    for c in convs):
             raise ValueError("this DFlash2 drafter's convolutions are not the identity, so its layers are not the "

@@ -210,14 +210,19 @@ class FlatDraft(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, q_cos: torch.Tensor, q_sin: torch.Tensor,
                 c_cos: torch.Tensor, c_sin: torch.Tensor, start: int, keys: torch.Tensor,
-                values: torch.Tensor) -> torch.Tensor:
+                values: torch.Tensor, q_signed: torch.Tensor | None = None,
+                c_signed: torch.Tensor | None = None) -> torch.Tensor:
         # x [T, H] the embedded block; ctx [Tc, F] new tap features at positions start..; cos/sin [T or Tc,
-        # 1, D]; keys/values: the drafter's cache [L, 1, Hkv, S, D] (context, then the block as scratch)
+        # 1, D]; keys/values: the drafter's cache [L, 1, Hkv, S, D] (context, then the block as scratch);
+        # q_signed / c_signed: flat.signed of the sines where the caller has them (Rotary.rows)
         t, tc, h, hkv, dh, eps, n = x.shape[0], ctx.shape[0], self.h, self.hkv, self.dh, self.eps, self.per_layer
         kn = self.kernel
         c = flat.norm(flat.linear(ctx, self.fc), self.hidden_norm, eps, kn)  # [Tc, H]
         kv = flat.linear(c, self.ctx_kv).chunk(2 * keys.shape[0], dim=-1)  # k, v per layer
-        q_signed, c_signed = flat.signed(q_sin), flat.signed(c_sin)
+        if q_signed is None:
+            q_signed = flat.signed(q_sin)
+        if c_signed is None:
+            c_signed = flat.signed(c_sin)
         end = start + tc + t
         for i in range(keys.shape[0]):
             ls = self.lins[i * n : (i + 1) * n]
@@ -286,15 +291,17 @@ class NativeDraft:
 
     def __call__(self, x: torch.Tensor, ctx: torch.Tensor, q_cos: torch.Tensor, q_sin: torch.Tensor,
                  c_cos: torch.Tensor, c_sin: torch.Tensor, start: int, keys: torch.Tensor,
-                 values: torch.Tensor) -> torch.Tensor:
+                 values: torch.Tensor, q_signed: torch.Tensor | None = None,
+                 c_signed: torch.Tensor | None = None) -> torch.Tensor:
         d = self.d
         if x.dtype != torch.float32 or q_cos.shape[-1] != d.dh:  # (partial rotary: FlatDraft's own path)
-            return d(x, ctx, q_cos, q_sin, c_cos, c_sin, start, keys, values)
+            return d(x, ctx, q_cos, q_sin, c_cos, c_sin, start, keys, values, q_signed, c_signed)
         c = flat.norm(flat.linear(ctx, d.fc), d.hidden_norm, d.eps, True)  # [Tc, H]
         kv = flat.linear(c, d.ctx_kv)  # [Tc, 2 L Hkv D]
-        return torch.ops.dflash.draft_stack(x, kv, q_cos, flat.signed(q_sin), c_cos, flat.signed(c_sin), start,
-                                            keys, values, self.norms, self.packed, self.codes, self.biases,
-                                            d.final_norm, d.eps, d.h, d.hkv, d.dh, d.scale, d.act)
+        return torch.ops.dflash.draft_stack(x, kv, q_cos, flat.signed(q_sin) if q_signed is None else q_signed, c_cos,
+                                            flat.signed(c_sin) if c_signed is None else c_signed, start, keys, values,
+                                            self.norms, self.packed, self.codes, self.biases, d.final_norm, d.eps, d.h,
+                                            d.hkv, d.dh, d.scale, d.act)
 
 
 # For TorchScript (this file's annotations are strings; lists and Optionals need their types).
@@ -522,12 +529,16 @@ class DFlashDrafter(nn.Module):
             end = cache.length + ctx.shape[1] + block.shape[1]  # slots, as positions where nothing was dropped
             if end > cache.max_len:
                 raise ValueError(f"KV cache overflow: position {end} > capacity {cache.max_len}")
-            # rows of the rotary table where the positions are one range (the same values as computing them)
-            q_cos, q_sin = self.rotary.span(start, start + block.shape[1], self.dtype)
-            c_cos, c_sin = (self.rotary.span(base, start, self.dtype) if ctx_pos is span
-                            else self.rotary(ctx_pos, self.dtype))
-            hidden = plan(emb[0].to(self.dtype), ctx[0].to(self.dtype), q_cos[:, None], q_sin[:, None],
-                          c_cos[:, None], c_sin[:, None], cache.length, cache.k, cache.v)[None]  # [1, T, H]
+            # rows of the rotary table where the positions are one range (the same values as computing them),
+            # with the signed sine the kernels take (flat.signed of the same rows)
+            q_cos, q_sin, q_signed = self.rotary.rows(start, start + block.shape[1], self.dtype)  # [T, 1, D]
+            if ctx_pos is span:
+                c_cos, c_sin, c_signed = self.rotary.rows(base, start, self.dtype)
+            else:
+                c_cos, c_sin = (r[:, None] for r in self.rotary(ctx_pos, self.dtype))
+                c_signed = None
+            hidden = plan(emb[0].to(self.dtype), ctx[0].to(self.dtype), q_cos, q_sin, c_cos, c_sin, cache.length,
+                          cache.k, cache.v, q_signed, c_signed)[None]  # [1, T, H]
             cache.length += ctx.shape[1]
         return hidden
 

@@ -235,9 +235,8 @@ class DrafterProposer:
         logits = self.drafter.propose(self.target, block, self._context(), self.cache, **kw)[0].float()  # [n, V']
         selector = getattr(self.drafter, "candidate_selector", None)
         k = min(trees.KMAX if selector is None else selector.top_k, logits.shape[-1])
-        top = logits.topk(k, dim=-1)  # [n, k]
-        probs = (top.values - logits.logsumexp(-1, keepdim=True)).exp()  # the drafter's softmax at its candidates
-        ids = top.indices if vocab is None else vocab[top.indices]
+        probs, top = kernels.top_probs(logits, k)  # [n, k]: the drafter's softmax at its candidates, their indices
+        ids = top if vocab is None else vocab[top]
         if selector is None:
             shape = trees.best_shape(probs.tolist(), nodes)
         else:  # position 1 given the anchor, each later one given its parent's candidate

@@ -1,6 +1,6 @@
 """CPU kernels whose result for a row does not depend on the other rows of the call: GGUF Q4_0 / Q4_1 /
 Q8_0 weights times 8-bit activations (blocks.cpp), causal attention over a KV cache (attention.cpp),
-RMSNorm (norm.cpp), the row-wise argmax of logits (argmax.cpp), and a Llama-family decoder stack of
+RMSNorm (norm.cpp), the row-wise argmax and top candidates of logits (argmax.cpp), and a Llama-family decoder stack of
 block-format layers in one call (layers.cpp).
 
 `ensure()` builds the C++ extension once with `torch.utils.cpp_extension` (ninja) into the user cache
@@ -95,6 +95,8 @@ def _register_reference() -> None:
     lib.impl("rms_norm", reference.rms_norm, "CPU")
     lib.define("argmax_rows(Tensor x, int isa=-1) -> Tensor")
     lib.impl("argmax_rows", lambda x, isa=-1: x.argmax(-1), "CPU")
+    lib.define("top_probs(Tensor x, int k, int isa=-1) -> (Tensor, Tensor)")
+    lib.impl("top_probs", reference.top_probs, "CPU")
     _state["library"] = lib  # the registration lives as long as this object
 
 
@@ -132,6 +134,16 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
             and logits.dim() == 2 and logits.shape[-1] > 0):
         return torch.ops.dflash.argmax_rows(logits, -1)
     return logits.argmax(-1)
+
+
+def top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(logits) at each row's k largest logits [T, k], their indices [T, k]), best first: argmax.cpp's
+    top_probs for CPU float32 rows once the extension is loaded (one call where a top-k, a logsumexp and the
+    operators between them took a few-row draft's rows ~0.2 ms), else the same through PyTorch."""
+    if (_state.get("backend") == "compiled" and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.dim() == 2):
+        return torch.ops.dflash.top_probs(logits, k, -1)
+    return reference.top_probs(logits, k)
 
 
 def best_isa() -> str:

@@ -28,28 +28,6 @@ namespace {
 
 using namespace dflash_attention;
 
-// exp(x) for x <= 0, one float at a time: the operations of attention.h's comment, in their order
-inline float exp_scalar(float x) {
-  if (x < EXP_LO) return 0.f;
-  const float n = std::nearbyint(x * LOG2E);
-  float r = std::fma(n, -LN2_HI, x);
-  r = std::fma(n, -LN2_LO, r);
-  float p = std::fma(C0, r, C1);
-  p = std::fma(p, r, C2);
-  p = std::fma(p, r, C3);
-  p = std::fma(p, r, C4);
-  p = std::fma(p, r, C5);
-  const float y = std::fma(p, r * r, r) + 1.f;
-  int32_t bits;
-  std::memcpy(&bits, &y, 4);
-  bits += (int32_t)n << 23;
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
-
-inline float tree8(const float* a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
-
 // a cached key or value element as float32 (float16 widens exactly)
 inline float widen(float x) { return x; }
 inline float widen(at::Half x) { return static_cast<float>(x); }

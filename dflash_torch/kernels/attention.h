@@ -23,6 +23,29 @@ constexpr float EXP_LO = -87.f, LOG2E = 1.44269504088896341f, LN2_HI = 0.6933593
 constexpr float C0 = 1.9875691500e-4f, C1 = 1.3981999507e-3f, C2 = 8.3334519073e-3f, C3 = 4.1665795894e-2f,
                 C4 = 1.6666665459e-1f, C5 = 5.0000001201e-1f;
 
+// exp(x) for x <= 0, one float at a time: the operations of the comment above, in their order (exp_avx2's, lane
+// for lane)
+inline float exp_scalar(float x) {
+  if (x < EXP_LO) return 0.f;
+  const float n = std::nearbyint(x * LOG2E);
+  float r = std::fma(n, -LN2_HI, x);
+  r = std::fma(n, -LN2_LO, r);
+  float p = std::fma(C0, r, C1);
+  p = std::fma(p, r, C2);
+  p = std::fma(p, r, C3);
+  p = std::fma(p, r, C4);
+  p = std::fma(p, r, C5);
+  const float y = std::fma(p, r * r, r) + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &y, 4);
+  bits += (int32_t)n << 23;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+inline float tree8(const float* a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+
 // keys and values are walked in blocks of KB that stay in L1 while every query of a tile uses them
 constexpr int64_t KB = 64;
 constexpr int64_t VALUES_AHEAD = 16;  // value rows fetched ahead of the split's output sums

@@ -74,6 +74,15 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, sc
     return torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(t, h * d)
 
 
+def top_probs(x: torch.Tensor, k: int, isa: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, V] -> (the softmax of each row at its k largest values [T, k], their indices [T, k]), in descending
+    order (argmax.cpp's; ties there go to the lower index, here to topk's order)."""
+    if not 1 <= k <= x.shape[-1]:
+        raise ValueError(f"top_probs needs 1 <= k <= V = {x.shape[-1]}, got k = {k}")
+    top = x.topk(k, dim=-1)
+    return (top.values - x.logsumexp(-1, keepdim=True)).exp(), top.indices
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, isa: int = -1) -> torch.Tensor:
     """w * (x * (1 / sqrt(mean(x^2) + eps))) per row (norm.cpp's formula; its sums in another order)."""
     return w * (x * (1.0 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
