@@ -221,6 +221,39 @@ def test_flat_draft_pass_equals_module_path(pair, quant, tmp_path, monkeypatch):
             assert torch.equal(c1.v[:, :, :, :23], c2.v[:, :, :, :23])
 
 
+@pytest.mark.fastpath
+def test_native_draft_loops_equal_its_operators(pair, tmp_path, monkeypatch):
+    """draft_stack normalizes, rotates and writes the keys and values in plain loops where the cache and the rotary
+    tables are float32 rows of D (as NativeDraft gives them), else through the operators: both give the same
+    hidden states and cache, bit for bit (rotary tables as strided views take the operators)."""
+    from dflash_torch.decoding import drafter_blocks
+
+    path, dpath = pair
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
+    target = quantize_blocks(_load(path), "q4_0")
+    drafter = drafter_blocks.load_in_blocks(dpath, "q4_0", torch.device("cpu"), torch.float32).fuse_context_kv()
+    with torch.inference_mode():
+        c = target.new_cache(64)
+        feats = target(torch.tensor([list(range(3, 26))]), c, taps=drafter.target_layer_ids).hidden  # [1, 23, F]
+        plan = drafter._flat_plan()
+        assert isinstance(plan, NativeDraft)
+        x = target.embed_tokens(torch.tensor([5, drafter.mask_token_id, drafter.mask_token_id]))
+        q_cos, q_sin, q_signed = drafter.rotary.rows(23, 26, torch.float32)
+        c_cos, c_sin, c_signed = drafter.rotary.rows(0, 23, torch.float32)
+
+        def strided(t):  # the same values, rows 2 D apart
+            return torch.zeros(*t.shape[:-1], 2 * t.shape[-1]).narrow(-1, 0, t.shape[-1]).copy_(t)
+
+        outs = []
+        for tables in ((q_cos, q_sin, c_cos, c_sin, q_signed, c_signed),
+                       tuple(strided(t) for t in (q_cos, q_sin, c_cos, c_sin, q_signed, c_signed))):
+            dc = drafter.new_cache(64)
+            qc, qs, cc, cs, qg, cg = tables
+            hidden = plan(x, feats[0], qc, qs, cc, cs, 0, dc.k, dc.v, qg, cg)
+            outs.append((hidden, dc.k[..., :26, :].clone(), dc.v[..., :26, :].clone()))  # context, then the block
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 @pytest.mark.parametrize("params", [{"rope_theta": 10000.0}, {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0},
                                     {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},

@@ -252,7 +252,7 @@ class FlatDraft(nn.Module):
 
 class NativeDraft:
     """FlatDraft's pass for block-format layers (fused gate/up, norms on kernels/norm.cpp, full rotary,
-    float32) with its layers in one call of kernels/layers.cpp (`draft_stack`): the same operators in the
+    float32) with its layers in one call of kernels/draft.cpp (`draft_stack`): the same operators in the
     same order (same bits, tests/test_fast_flat.py), without TorchScript's per-operator interpretation."""
 
     def __init__(self, d: FlatDraft) -> None:

@@ -1,7 +1,7 @@
 """CPU kernels whose result for a row does not depend on the other rows of the call: GGUF Q4_0 / Q4_1 /
 Q8_0 weights times 8-bit activations (blocks.cpp), causal attention over a KV cache (attention.cpp),
 RMSNorm (norm.cpp), the row-wise argmax and top candidates of logits (argmax.cpp), and a Llama-family decoder stack of
-block-format layers in one call (layers.cpp).
+block-format layers in one call (layers.cpp), and a drafter's (draft.cpp).
 
 `ensure()` builds the C++ extension once with `torch.utils.cpp_extension` (ninja) into the user cache
 and registers its ops as `torch.ops.dflash.*`; later processes load the cached build. Where no compiler
@@ -35,8 +35,8 @@ def _build_dir() -> Path:
 
 
 SOURCES = ("blocks.cpp", "blocks_avx2.cpp", "blocks_avx512.cpp", "attention.cpp", "attention_avx512.cpp", "norm.cpp",
-           "argmax.cpp", "activation.cpp", "layers.cpp")
-HEADERS = ("blocks.h", "attention.h", "activation.h")
+           "argmax.cpp", "activation.cpp", "layers.cpp", "draft.cpp")
+HEADERS = ("blocks.h", "attention.h", "activation.h", "layers.h")
 # -ffp-contract=off: no multiply-add fused behind our back, so every path rounds each step as written;
 # -fopenmp: at::parallel_for then runs on PyTorch's own OpenMP threads (without it, on a slower path)
 CFLAGS, LDFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"], ["-fopenmp"]

@@ -21,25 +21,9 @@
 #include "activation.h"
 #include "attention.h"
 #include "blocks.h"
+#include "layers.h"
 
-namespace {
-
-using at::Tensor;
-using dflash_activation::act_mul;
-using dflash_activation::act_rows;
-
-// the other kernels of this library, looked up once (typed handles: an unboxed call, no IValues)
-struct Ops {
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t)> mm;
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, const Tensor&, int64_t)> mm_add;
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double, int64_t)> norm;
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double, const Tensor&, int64_t, int64_t, int64_t)>
-      mm_norm;
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
-                                  int64_t, int64_t, double)>
-      rope_attention;
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, double, int64_t)> full_attention;
-};
+namespace dflash_layers {
 
 const Ops& ops() {
   static const Ops o = [] {
@@ -62,25 +46,31 @@ const Ops& ops() {
   return o;
 }
 
-// flat.linear for a BLOCK layer: the kernel's float32 output (+ bias)
 Tensor linear(const Ops& o, const Tensor& x, const Tensor& packed, int64_t code, const std::optional<Tensor>& bias) {
   Tensor y = o.mm.call(x, packed, code % 8, code / 8, -1);
   return bias.has_value() ? y + *bias : y;
 }
 
-// linear(rms_norm(x, w)): the norm inside the kernel, on each row before its quantization (the same bits)
 Tensor norm_linear(const Ops& o, const Tensor& x, const Tensor& w, double eps, const Tensor& packed, int64_t code,
                    const std::optional<Tensor>& bias) {
   Tensor y = o.mm_norm.call(x, w, eps, packed, code % 8, code / 8, -1);
   return bias.has_value() ? y + *bias : y;
 }
 
-// flat.add_linear: r + linear(x), the add inside the kernel where there is no bias
 Tensor add_linear(const Ops& o, const Tensor& r, const Tensor& x, const Tensor& packed, int64_t code,
                   const std::optional<Tensor>& bias) {
   if (!bias.has_value()) return o.mm_add.call(x, packed, code % 8, code / 8, r, -1);
   return r + linear(o, x, packed, code, bias);
 }
+
+}  // namespace dflash_layers
+
+namespace {
+
+using at::Tensor;
+using dflash_activation::act_mul;
+using dflash_activation::act_rows;
+using namespace dflash_layers;
 
 // A decode step (one row) through every layer in one parallel region, its steps apart by barriers: the
 // calling thread (the region's thread 0) normalizes and quantizes each matmul's row (mm_quantize: block_mm's
@@ -575,67 +565,6 @@ std::tuple<Tensor, std::vector<Tensor>> decoder_stack(
   return {x, tapped};
 }
 
-// flat.rotate for full rotary: x * cos + roll(x, D/2) * signed_sin (x [T, N, D], cos/sin [T, 1, D])
-Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& signed_sin) {
-  return x * cos + at::roll(x, {x.size(-1) / 2}, {-1}) * signed_sin;
-}
-
-// drafter.FlatDraft's pass after the context features (block-format layers, fused gate/up, norms on
-// norm.cpp, full rotary, float32), the same operators in the same order: x [T, H] the embedded block; kv
-// [Tc, 2 L Hkv D] the context's keys and values of every layer (the stacked projection); cos/signed_sin
-// [T or Tc, 1, D]; keys/values the drafter's cache [L, 1, Hkv, S, D], the context written at start.., the
-// block after it as scratch. Per layer 4 norms (input, post-attention, q, k) and 6 linear layers (q, k, v,
-// o, gate_up, down), or 4 with q/k/v as one (their blocks stacked: each output column is computed alike, so
-// the bits are the same and two calls fewer). Returns the block's hidden states after the final norm.
-Tensor draft_stack(const Tensor& x_in, const Tensor& kv_in, const Tensor& q_cos, const Tensor& q_signed,
-                   const Tensor& c_cos, const Tensor& c_signed, int64_t start, Tensor& keys, Tensor& values,
-                   at::TensorList norms, at::TensorList packed, at::IntArrayRef codes,
-                   const c10::List<std::optional<Tensor>>& biases, const Tensor& final_norm, double eps, int64_t h,
-                   int64_t hkv, int64_t dh, double scale, int64_t act) {
-  const int64_t layers = keys.size(0), t = x_in.size(0), tc = kv_in.size(0), end = start + tc + t;
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "draft_stack takes float32 x [T, H]");
-  const int64_t per = (int64_t)packed.size() == 4 * layers ? 4 : 6;  // 4: q/k/v fused
-  TORCH_CHECK((int64_t)norms.size() == 4 * layers && (int64_t)packed.size() == per * layers &&
-                  (int64_t)codes.size() == per * layers && (int64_t)biases.size() == per * layers,
-              "draft_stack: per layer 4 norms and 6 linear layers (4 with q/k/v fused)");
-  TORCH_CHECK(kv_in.size(1) == 2 * layers * hkv * dh, "the context keys/values are not [Tc, 2 L Hkv D]");
-  TORCH_CHECK(end <= keys.size(3), "KV cache overflow: position ", end, " > capacity ", keys.size(3));
-  TORCH_CHECK(act >= 0 && act <= 2, "unknown activation code ", act);
-  const Ops& o = ops();
-  std::vector<Tensor> kv = kv_in.chunk(2 * layers, -1);  // k, v per layer
-  Tensor x = x_in;
-  for (int64_t i = 0; i < layers; i++) {
-    const int64_t n = per * i, m = n + per - 6;  // m + 3 .. m + 5: o, gate_up, down
-    const Tensor& k_norm = norms[4 * i + 3];
-    Tensor q_out, k_out, v_out;  // [T, H * D], [T, Hkv * D] x 2
-    if (per == 4) {
-      Tensor qkv = norm_linear(o, x, norms[4 * i], eps, packed[n], codes[n], biases.get(n));
-      q_out = qkv.narrow(1, 0, h * dh);
-      k_out = qkv.narrow(1, h * dh, hkv * dh);
-      v_out = qkv.narrow(1, (h + hkv) * dh, hkv * dh);
-    } else {
-      Tensor y = o.norm.call(x, norms[4 * i], eps, -1);
-      q_out = linear(o, y, packed[n], codes[n], biases.get(n));
-      k_out = linear(o, y, packed[n + 1], codes[n + 1], biases.get(n + 1));
-      v_out = linear(o, y, packed[n + 2], codes[n + 2], biases.get(n + 2));
-    }
-    Tensor q = rotate(o.norm.call(q_out.view({t, h, dh}), norms[4 * i + 2], eps, -1), q_cos, q_signed);  // [T, H, D]
-    Tensor k_blk = rotate(o.norm.call(k_out.view({t, hkv, dh}), k_norm, eps, -1), q_cos, q_signed);
-    Tensor k_ctx = rotate(o.norm.call(kv[2 * i].view({tc, hkv, dh}), k_norm, eps, -1), c_cos, c_signed);
-    Tensor layer_k = keys.select(0, i), layer_v = values.select(0, i);  // [1, Hkv, S, D]
-    layer_k.narrow(2, start, tc).copy_(k_ctx.transpose(0, 1));
-    layer_v.narrow(2, start, tc).copy_(kv[2 * i + 1].view({tc, hkv, dh}).transpose(0, 1));
-    layer_k.narrow(2, start + tc, t).copy_(k_blk.transpose(0, 1));
-    layer_v.narrow(2, start + tc, t).copy_(v_out.view({t, hkv, dh}).transpose(0, 1));
-    Tensor attn = o.full_attention.call(q, layer_k[0], layer_v[0], end, scale, -1);  // [T, H * D]
-    x = add_linear(o, x, attn, packed[m + 3], codes[m + 3], biases.get(m + 3));
-    std::vector<Tensor> gu =
-        norm_linear(o, x, norms[4 * i + 1], eps, packed[m + 4], codes[m + 4], biases.get(m + 4)).chunk(2, -1);
-    x = add_linear(o, x, act_mul(gu[0], gu[1], act), packed[m + 5], codes[m + 5], biases.get(m + 5));
-  }
-  return o.norm.call(x, final_norm, eps, -1);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dflash, m) {
@@ -643,8 +572,4 @@ TORCH_LIBRARY_FRAGMENT(dflash, m) {
         "int[] taps, Tensor[] norms, Tensor[] packed, int[] codes, Tensor?[] biases, float eps, int h, int hkv, "
         "float scale, int act, int[] parents=[]) -> (Tensor, Tensor[])");
   m.impl("decoder_stack", c10::DispatchKey::CPU, &decoder_stack);
-  m.def("draft_stack(Tensor x, Tensor kv, Tensor q_cos, Tensor q_signed, Tensor c_cos, Tensor c_signed, int start, "
-        "Tensor(a!) keys, Tensor(b!) values, Tensor[] norms, Tensor[] packed, int[] codes, Tensor?[] biases, "
-        "Tensor final_norm, float eps, int h, int hkv, int dh, float scale, int act) -> Tensor");
-  m.impl("draft_stack", c10::DispatchKey::CPU, &draft_stack);
 }

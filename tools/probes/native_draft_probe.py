@@ -1,4 +1,4 @@
-"""The drafter's layers in one call (kernels/layers.cpp, `draft_stack`) against the scripted FlatDraft.
+"""The drafter's layers in one call (kernels/draft.cpp, `draft_stack`) against the scripted FlatDraft.
 
 Loads the default model and drafter as `--quantize q4_0` does, checks that a draft pass gives the same
 logits and cache with `drafter.native` on and off, then times steady-state draft passes (a handful of new
