@@ -33,26 +33,28 @@ def main() -> None:
     prompts = [data.encode_chat(p.tokenizer, x) for kind in data.heldout_prompts(2, 2, 2).values() for x in kind]
     widths = [int(w) for w in a.widths.split(",")]
 
-    def go(width: int) -> tuple[float, float]:  # (tok/s, tokens per cycle) over all prompts
-        t0, n, cycles = time.perf_counter(), 0, 0
-        for ids in prompts:
-            st = speculative.Stats()
-            for _ in speculative.generate_tokens(p.target, ids, max_new_tokens=a.tokens, stop_token_ids=[], stats=st,
-                                                 drafter=p.drafter if width > 1 else None, block_size=width):
-                n += 1
-            cycles += st.cycles
-        return n / (time.perf_counter() - t0), n / max(cycles, 1)
+    def go(width: int, ids: list[int]) -> tuple[float, int, int]:  # (seconds, tokens, cycles) for one prompt
+        st, n, t0 = speculative.Stats(), 0, time.perf_counter()
+        for _ in speculative.generate_tokens(p.target, ids, max_new_tokens=a.tokens, stop_token_ids=[], stats=st,
+                                             drafter=p.drafter if width > 1 else None, block_size=width):
+            n += 1
+        return time.perf_counter() - t0, n, st.cycles
 
-    go(1), [go(w) for w in widths]  # warm-up
+    arms = [1, *widths]
+    for w in arms:  # warm-up
+        go(w, prompts[0])
     for r in range(a.rounds):
-        base = go(1)[0]
+        total = {w: [0.0, 0, 0] for w in arms}
+        for i, ids in enumerate(prompts):  # the arms in rotating order, prompt by prompt
+            for w in arms[i % len(arms):] + arms[: i % len(arms)]:
+                total[w] = [x + y for x, y in zip(total[w], go(w, ids))]
+        base = total[1][1] / total[1][0]
         parts = []
         for w in widths:
-            speed, per = go(w)
+            speed, per = total[w][1] / total[w][0], total[w][1] / max(total[w][2], 1)
             parts.append(f"width {w}: {per:.2f} tokens a cycle, {speed / base:.3f}x target-only, a cycle "
                          f"{per * base / speed:.2f} decode steps")
         print(f"round {r + 1}: target-only {base:.1f} tok/s; " + "; ".join(parts), flush=True)
-
 
 if __name__ == "__main__":
     main()
