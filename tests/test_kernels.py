@@ -203,8 +203,10 @@ def test_without_the_extension_the_reference_serves(tmp_path):
         "kv = d['w'].view(1, 4, 16)\n"
         "a = torch.ops.dflash.full_attention(d['x'].view(3, 4, 16), kv, kv, 3, 0.25)\n"
         "t = torch.ops.dflash.top_probs(d['x'], 5)\n"
+        "cb = d['w'].view(16, 4)\n"
+        "s = torch.ops.dflash.selector_chances(t[0], torch.arange(15).view(3, 5), d['x'][:, :4], cb, cb, 2)\n"
         "w = [str(w.message) for w in caught]\n"
-        "torch.save({'backend': backend, 'y': y, 'z': z, 'a': a, 't': t, 'warnings': w}, sys.argv[2])\n"
+        "torch.save({'backend': backend, 'y': y, 'z': z, 'a': a, 't': t, 's': s, 'warnings': w}, sys.argv[2])\n"
     )
     env = dict(os.environ, DFLASH_NO_EXTENSION="1")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
@@ -217,6 +219,9 @@ def test_without_the_extension_the_reference_serves(tmp_path):
     kv = nw.view(1, 4, 16)
     assert torch.equal(out["a"], reference.full_attention(x.view(3, 4, 16), kv, kv, 3, 0.25))
     assert all(torch.equal(a, b) for a, b in zip(out["t"], reference.top_probs(x, 5)))
+    cb = nw.view(16, 4)
+    want = reference.selector_chances(out["t"][0], torch.arange(15).view(3, 5), x[:, :4], cb, cb, 2)
+    assert torch.equal(out["s"], want)
 
 
 @pytest.mark.parametrize("min_rows,vnni256", [("0", "1"), ("9", "1"), ("9", "0")])
@@ -518,6 +523,28 @@ def test_top_probs_are_the_softmax_at_the_top_k():
         for bad in (0, 11):
             with pytest.raises(RuntimeError, match="1 <= k"):
                 torch.ops.dflash.top_probs(x, bad, isa)
+
+
+def test_selector_chances_are_the_references():
+    """selector.cpp (a DFlash2 selector's chances for a tree draft) against the same formula in torch operators:
+    within float32 rounding of sums of r products and a softmax over k; position 1's rows are all the anchor's, each
+    row sums to the drafter's mass at its position; a token outside the codebooks is refused."""
+    gen = torch.Generator().manual_seed(14)
+    for n, k, r, v in ((1, 8, 16, 300), (2, 8, 16, 49152), (5, 6, 4, 100), (16, 8, 16, 1000)):
+        probs = torch.softmax(torch.randn(n, 50, generator=gen) * 3, -1).topk(k, dim=-1).values  # [n, k]
+        cand = torch.randint(0, v, (n, k), generator=gen)
+        proj = torch.randn(n, r, generator=gen)
+        pred, succ = torch.randn(v, r, generator=gen) * 0.5, torch.randn(v, r, generator=gen) * 0.5
+        got = torch.ops.dflash.selector_chances(probs, cand, proj, pred, succ, 7)
+        want = reference.selector_chances(probs, cand, proj, pred, succ, 7)
+        assert got.shape == (n, k, k)
+        # a score's error: r products and sums (|terms| bounded by the score's own size), then exp and a sum of k
+        scale = (pred[7].abs().max() * succ.abs().max() * proj.abs().max() * r + 70).item()
+        assert torch.allclose(got, want, rtol=4 * (r + k) * scale * 2.0**-24, atol=1e-12), (n, k, r)
+        assert torch.equal(got[0], got[0, :1].expand(k, k))
+        assert torch.allclose(got.sum(-1), probs.sum(-1)[:, None].expand(n, k), rtol=1e-5)
+    with pytest.raises(RuntimeError, match="outside the codebooks"):
+        torch.ops.dflash.selector_chances(probs, cand + v, proj, pred, succ, 7)
 
 
 def test_argmax_rows_is_torch_argmax():

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .. import kernels
 from ..models.cache import KVCache
 from ..models.layers import Linear
 from .drafter import Blocks, DFlashDrafter, DraftLayer, dflash_value
@@ -205,14 +206,11 @@ class CandidateSelector(nn.Module):
         of position j). Each row is the selector's softmax over the candidates, times the drafter's mass on
         them (the chance that the target's token is one of them), so that without an interaction term
         (a fresh selector) they are the drafter's own probabilities."""
-        # Every position's rows in one batched matmul, position 1's k rows all the anchor's (equal; one is kept): a
-        # dozen small operators where position 1 apart took twenty, each a few microseconds of dispatch in a cycle
+        # kernels/selector.cpp (kernels/reference.py: the same in torch operators), position 1's rows all given the
+        # anchor: one call where a dozen operators cost a drafter cycle ~0.2 ms of dispatch (docs/performance.md)
         proj = self.hidden_projection(hidden).float()  # [K, r]
-        succ = self.successor_codebook[cand].float() * proj[:, None]  # [K, k, r]: p_j * S[cand[j, m]]
-        prev = torch.cat([cand.new_full((1, cand.shape[1]), int(anchor)), cand[:-1]])  # [K, k]: each row's predecessor
-        pairs = self.predecessor_codebook[prev].float() @ succ.transpose(1, 2)  # [K, k (prev), k]
-        score = probs.clamp_min(1e-30).log()  # [K, k]: the logits up to a per-position constant
-        chances = (score[:, None, :] + pairs).softmax(-1) * probs.sum(-1)[:, None, None]  # [K, k, k]
+        chances = kernels.selector_chances(probs.float(), cand, proj, self.predecessor_codebook,
+                                           self.successor_codebook, int(anchor))  # [K, k (prev), k]
         return chances[0, 0], chances[1:]
 
 

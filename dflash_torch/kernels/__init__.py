@@ -1,7 +1,8 @@
 """CPU kernels whose result for a row does not depend on the other rows of the call: GGUF Q4_0 / Q4_1 /
 Q8_0 weights times 8-bit activations (blocks.cpp), causal attention over a KV cache (attention.cpp),
 RMSNorm (norm.cpp), the row-wise argmax and top candidates of logits (argmax.cpp), and a Llama-family decoder stack of
-block-format layers in one call (layers.cpp), and a drafter's (draft.cpp).
+block-format layers in one call (layers.cpp), a drafter's (draft.cpp), and a DFlash2 selector's chances
+for a tree draft (selector.cpp).
 
 `ensure()` builds the C++ extension once with `torch.utils.cpp_extension` (ninja) into the user cache
 and registers its ops as `torch.ops.dflash.*`; later processes load the cached build. Where no compiler
@@ -35,7 +36,8 @@ def _build_dir() -> Path:
 
 
 SOURCES = ("blocks.cpp", "blocks_avx2.cpp", "blocks_avx512.cpp", "attention.cpp", "attention_avx512.cpp", "norm.cpp",
-           "argmax.cpp", "activation.cpp", "layers.cpp", "draft.cpp")
+           "argmax.cpp", "activation.cpp", "layers.cpp", "draft.cpp",
+           "selector.cpp")
 HEADERS = ("blocks.h", "attention.h", "activation.h", "layers.h")
 # -ffp-contract=off: no multiply-add fused behind our back, so every path rounds each step as written;
 # -fopenmp: at::parallel_for then runs on PyTorch's own OpenMP threads (without it, on a slower path)
@@ -97,6 +99,9 @@ def _register_reference() -> None:
     lib.impl("argmax_rows", lambda x, isa=-1: x.argmax(-1), "CPU")
     lib.define("top_probs(Tensor x, int k, int isa=-1) -> (Tensor, Tensor)")
     lib.impl("top_probs", reference.top_probs, "CPU")
+    lib.define("selector_chances(Tensor probs, Tensor cand, Tensor proj, Tensor pred, Tensor succ, int anchor) "
+               "-> Tensor")
+    lib.impl("selector_chances", reference.selector_chances, "CPU")
     _state["library"] = lib  # the registration lives as long as this object
 
 
@@ -144,6 +149,16 @@ def top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
             and logits.dim() == 2):
         return torch.ops.dflash.top_probs(logits, k, -1)
     return reference.top_probs(logits, k)
+
+
+def selector_chances(probs: torch.Tensor, cand: torch.Tensor, proj: torch.Tensor, pred: torch.Tensor,
+                     succ: torch.Tensor, anchor: int) -> torch.Tensor:
+    """A DFlash2 selector's chances [K, k (prev), k] for a tree draft (`reference.selector_chances` says what):
+    selector.cpp for CPU float32 tensors once the extension is loaded, else the same through PyTorch."""
+    if (_state.get("backend") == "compiled" and all(t.device.type == "cpu" and t.dtype == torch.float32
+                                                     for t in (probs, proj, pred, succ))):
+        return torch.ops.dflash.selector_chances(probs, cand, proj, pred, succ, int(anchor))
+    return reference.selector_chances(probs, cand, proj, pred, succ, anchor)
 
 
 def best_isa() -> str:

@@ -83,6 +83,20 @@ def top_probs(x: torch.Tensor, k: int, isa: int = -1) -> tuple[torch.Tensor, tor
     return (top.values - x.logsumexp(-1, keepdim=True)).exp(), top.indices
 
 
+def selector_chances(probs: torch.Tensor, cand: torch.Tensor, proj: torch.Tensor, pred: torch.Tensor,
+                     succ: torch.Tensor, anchor: int) -> torch.Tensor:
+    """A DFlash2 selector's chances for a tree draft: probs [K, k] the drafter's softmax at its candidates cand [K, k]
+    (token ids), proj [K, r] the selector's projection of the drafter's hidden states, pred / succ its codebooks
+    [V, r] -> [K, k (prev), k]: for position j and candidate q of position j - 1 (the anchor for j = 0: row 0's k
+    rows are all alike), softmax over m of log p[j, m] + sum over r of pred[prev, r] * succ[cand[j, m], r] *
+    proj[j, r], times sum over m of p[j, m]. selector.cpp computes the same in plain loops."""
+    s = succ[cand].float() * proj.float()[:, None]  # [K, k, r]
+    prev = torch.cat([cand.new_full((1, cand.shape[1]), int(anchor)), cand[:-1]])  # [K, k]: each row's predecessor
+    pairs = pred[prev].float() @ s.transpose(1, 2)  # [K, k (prev), k]
+    score = probs.float().clamp_min(1e-30).log()  # [K, k]: the logits up to a per-position constant
+    return (score[:, None, :] + pairs).softmax(-1) * probs.float().sum(-1)[:, None, None]
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, isa: int = -1) -> torch.Tensor:
     """w * (x * (1 / sqrt(mean(x^2) + eps))) per row (norm.cpp's formula; its sums in another order)."""
     return w * (x * (1.0 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
