@@ -327,27 +327,34 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   });
 }
 
-// q [T, H, D]; k, v [Hkv, S, D] (any strides with a contiguous last dim), keys 0 .. start + T - 1 written.
-// The cache may hold float16 (a block-format target's): each element is widened exactly to float32 as it
-// is read, so the result is the float32 kernel's on the widened cache, bit for bit (tests/test_kernels.py).
-torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
-                               double scale, int64_t isa) {
-  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, "causal_attention takes q [T, H, D], k/v [Hkv, S, D]");
+// causal_attention and full_attention: the checks, then attend (start + t: the keys the last query sees)
+torch::Tensor attention_call(const char* name, const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v,
+                             int64_t start, double scale, int64_t isa, bool causal) {
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, name, " takes q [T, H, D], k/v [Hkv, S, D]");
   const bool half = k.scalar_type() == torch::kHalf;
   TORCH_CHECK((k.scalar_type() == torch::kFloat32 || half) && v.scalar_type() == k.scalar_type(),
               "float32 or float16 keys and values (both alike)");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "keys and values need a contiguous last dimension");
   const int64_t t = q_in.size(0), h = q_in.size(1), d = q_in.size(2), hkv = k.size(0);
   TORCH_CHECK(h % hkv == 0 && k.size(2) == d && v.size(2) == d && v.size(0) == hkv, "head shapes do not match");
-  TORCH_CHECK(start + t <= k.size(1), "queries past the cache: ", start + t, " > ", k.size(1));
+  TORCH_CHECK(start + t <= k.size(1) && start + t <= v.size(1), "queries past the cache: ", start + t, " > ",
+              k.size(1));
   const int64_t best = attention_isa();
   if (isa < 0) isa = best;
   TORCH_CHECK(isa <= best, "this CPU lacks attention path ", isa, " (best: ", best, ")");
   torch::Tensor q = q_in.to(torch::kFloat32).contiguous();
   auto out = torch::empty({t, h * d}, torch::kFloat32);
-  if (half) attend<at::Half>(q, k, v, start, scale, isa, out);
-  else attend<float>(q, k, v, start, scale, isa, out);
+  if (half) attend<at::Half>(q, k, v, start, scale, isa, out, causal);
+  else attend<float>(q, k, v, start, scale, isa, out, causal);
   return out;
+}
+
+// q [T, H, D]; k, v [Hkv, S, D] (any strides with a contiguous last dim), keys 0 .. start + T - 1 written.
+// The cache may hold float16 (a block-format target's): each element is widened exactly to float32 as it
+// is read, so the result is the float32 kernel's on the widened cache, bit for bit (tests/test_kernels.py).
+torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v, int64_t start,
+                               double scale, int64_t isa) {
+  return attention_call("causal_attention", q_in, k, v, start, scale, isa, true);
 }
 
 // q [T, H, D]; k, v [Hkv, S, D] as causal_attention takes them: every query attends to keys 0 .. n - 1 (a draft
@@ -355,23 +362,9 @@ torch::Tensor causal_attention(const torch::Tensor& q_in, const torch::Tensor& k
 // with each query's key count n, so a query's result does not depend on the others in the call either.
 torch::Tensor full_attention(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v, int64_t n,
                              double scale, int64_t isa) {
-  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, "full_attention takes q [T, H, D], k/v [Hkv, S, D]");
-  const bool half = k.scalar_type() == torch::kHalf;
-  TORCH_CHECK((k.scalar_type() == torch::kFloat32 || half) && v.scalar_type() == k.scalar_type(),
-              "float32 or float16 keys and values (both alike)");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "keys and values need a contiguous last dimension");
-  const int64_t t = q_in.size(0), h = q_in.size(1), d = q_in.size(2), hkv = k.size(0);
-  TORCH_CHECK(h % hkv == 0 && k.size(2) == d && v.size(2) == d && v.size(0) == hkv, "head shapes do not match");
-  TORCH_CHECK(n >= 1 && n <= k.size(1) && n <= v.size(1), "full_attention needs 1 <= n <= the cache's ", k.size(1),
-              " positions, got ", n);
-  const int64_t best = attention_isa();
-  if (isa < 0) isa = best;
-  TORCH_CHECK(isa <= best, "this CPU lacks attention path ", isa, " (best: ", best, ")");
-  torch::Tensor q = q_in.to(torch::kFloat32).contiguous();
-  auto out = torch::empty({t, h * d}, torch::kFloat32);
-  if (half) attend<at::Half>(q, k, v, n - t, scale, isa, out, false);
-  else attend<float>(q, k, v, n - t, scale, isa, out, false);
-  return out;
+  TORCH_CHECK(n >= 1 && n <= k.size(1), "full_attention needs 1 <= n <= the cache's ", k.size(1), " positions, got ",
+              n);
+  return attention_call("full_attention", q_in, k, v, n - q_in.size(0), scale, isa, false);
 }
 
 // a rotated key or value row into the cache (float16: rounded to nearest even, as Tensor.copy_ rounds)
