@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from . import kernels
-from .decoding.speculative import HEAD_FIRST_ROWS
+from .decoding.proposers import DrafterProposer
+from .decoding.sampling import Sampler
+from .decoding.speculative import HEAD_FIRST_ROWS, Stats
 
 
 def _time_rounds(fns: dict, repeats: int) -> dict:
@@ -46,6 +47,7 @@ def profile_pipeline(pipe, sizes: list[int], context: int = 128, repeats: int = 
     taps = drafter.target_layer_ids if drafter else ()
     cache = target.new_cache(context + max(sizes) + 1)
     out = target(prompt, cache, logits="last", taps=taps)
+    last = int(prompt[0, -1])  # the token a draft block starts from
 
     def step(b):
         cache.crop(context)
@@ -61,21 +63,19 @@ def profile_pipeline(pipe, sizes: list[int], context: int = 128, repeats: int = 
         if b > HEAD_FIRST_ROWS and getattr(target, "defers_head", None) is not None and target.defers_head(b):
             fns[("short", b)] = lambda b=b: short(b)
         if drafter is not None and 1 < b <= drafter.block_size:
-            dcache = drafter.new_cache(context + b + 1)
-            block = torch.full((1, b), drafter.mask_token_id, dtype=torch.long, device=device)
+            # the draft as a greedy cycle makes it: the loop's own proposer (a tree of b - 1 candidates and the
+            # selector's chances where the target verifies trees, else a chain; the draft vocabulary's rows)
+            prop = DrafterProposer(drafter, target, b, context + b + 1, out.hidden, Sampler(), None, None, None,
+                                   Stats(), None)
             # the first cycle's draft also fuses the whole prompt's features; later ones only a few:
             # time the steady state, with the context already cached and a handful of new features
-            dcache.crop(0)
-            drafter.propose(target, block, out.hidden, dcache)
-            steady, seen = out.hidden[:, :4], dcache.length  # seen: fewer slots than positions if windowed
+            prop.draft(last, b, device)
+            steady, seen = out.hidden[:, :4], prop.cache.length  # seen: fewer slots than positions if windowed
 
-            # as a greedy cycle drafts (proposers.DrafterProposer): over the draft vocabulary's rows
-            kw = {"full": False} if getattr(drafter, "draft_vocab", None) is not None and not hasattr(
-                drafter, "select") else {}
-
-            def draft_steady(b=b, block=block, dcache=dcache, steady=steady, seen=seen, kw=kw):
-                dcache.crop(seen - 4)
-                kernels.argmax(drafter.propose(target, block, steady, dcache, **kw)[0])
+            def draft_steady(prop=prop, steady=steady, seen=seen, b=b):
+                prop.cache.crop(seen - 4)
+                prop.pending = [steady]
+                prop.draft(last, b, device)
 
             fns[("draft", b)] = draft_steady
     t = _time_rounds(fns, repeats)
