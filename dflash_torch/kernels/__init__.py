@@ -144,7 +144,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 def top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax(logits) at each row's k largest logits [T, k], their indices [T, k]), best first: argmax.cpp's
     top_probs for CPU float32 rows once the extension is loaded (one call where a top-k, a logsumexp and the
-    operators between them took a few-row draft's rows ~0.2 ms), else the same through PyTorch."""
+    operators between them ran: docs/performance.md), else the same through PyTorch."""
     if (_state.get("backend") == "compiled" and logits.device.type == "cpu" and logits.dtype == torch.float32
             and logits.dim() == 2):
         return torch.ops.dflash.top_probs(logits, k, -1)
