@@ -174,6 +174,27 @@ def test_trees_can_be_switched_off(tiny_models, tmp_path, monkeypatch):
     assert runs[True][1].tree_cycles > 0 and runs[False][1].tree_cycles == 0
 
 
+def test_rank_stats_keep_expected_tokens_only_until_the_counts_move():
+    """expected_tokens is kept per width between observations: after every observation it equals the sum over
+    the current shape's paths of their probabilities under the current counts, computed afresh."""
+    rng = random.Random(0)
+    ranks = trees.RankStats(7)
+
+    def fresh(width):
+        freq = ranks.freq()
+        return 1.0 + sum(trees.probability(freq, p) for p in ranks.shape(width - 1).paths)
+
+    moved = 0
+    for _ in range(40):
+        before = [ranks.expected_tokens(width) for width in range(2, 9)]
+        assert before == [fresh(width) for width in range(2, 9)]
+        top = [[rng.randrange(50) for _ in range(4)] for _ in range(7)]  # candidates per position
+        new = [row[rng.randrange(4)] if rng.random() < 0.6 else 99 for row in top][: rng.randrange(1, 8)]  # 99: no rank
+        ranks.observe(top, new)
+        moved += [ranks.expected_tokens(width) for width in range(2, 9)] != before
+    assert moved > 30  # the counts moved the estimates: stale values would have failed above
+
+
 def test_adaptive_width_prices_trees_by_their_shapes(tiny_models, tmp_path):
     """With the adaptive width (and the fallback around it), a tree-drafting generation hands the controller
     the trees' expected tokens per width, and still emits target-only output."""

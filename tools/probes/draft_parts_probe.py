@@ -42,14 +42,16 @@ def main() -> None:
             return out
         return call
 
-    def native(self, x, ctx, q_cos, q_sin, c_cos, c_sin, start, keys, values):  # NativeDraft.__call__, timed
-        dd, t0 = self.d, time.perf_counter()
+    def native(self, x, ctx, q_cos, q_sin, c_cos, c_sin, start, keys, values, q_signed=None, c_signed=None):
+        dd, t0 = self.d, time.perf_counter()  # NativeDraft.__call__, timed
         c = flat.norm(flat.linear(ctx, dd.fc), dd.hidden_norm, dd.eps, True)
         t1 = time.perf_counter()
         kv = flat.linear(c, dd.ctx_kv)
         t2 = time.perf_counter()
-        out = torch.ops.dflash.draft_stack(x, kv, q_cos, flat.signed(q_sin), c_cos, flat.signed(c_sin), start, keys,
-                                           values, self.norms, self.packed, self.codes, self.biases, dd.final_norm,
+        q_signed = flat.signed(q_sin) if q_signed is None else q_signed
+        c_signed = flat.signed(c_sin) if c_signed is None else c_signed
+        out = torch.ops.dflash.draft_stack(x, kv, q_cos, q_signed, c_cos, c_signed, start, keys, values,
+                                           self.norms, self.packed, self.codes, self.biases, dd.final_norm,
                                            dd.eps, dd.h, dd.hkv, dd.dh, dd.scale, dd.act)
         t3 = time.perf_counter()
         for name, dt in (("fc", t1 - t0), ("context k/v", t2 - t1), ("draft_stack", t3 - t2)):
