@@ -122,7 +122,8 @@ class RankStats:
         self.totals = [self.PRIOR_WEIGHT] * depth
         self.shapes: dict[int, Shape] = {}
         # expected_tokens per width, until the counts move: the adaptive width prices every width each cycle the
-        # drafter might run (16 widths, each a sum over its shape's paths: 0.3 ms of Python a cycle on AMD Zen 3),
+        # drafter might run (16 widths, each a sum over its shape's paths: 0.3-0.5 ms a cycle on AMD Zen 3, "The Python
+        # around a pass" in docs/performance.md),
         # and between two drafter cycles nothing it reads changes
         self.expected: dict[int, float] = {}
         self.seen = 0
