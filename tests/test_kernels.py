@@ -607,3 +607,27 @@ def test_argmax_of_one_wide_row_split_over_threads(threads):
                     assert torch.equal(got, row[None].argmax(-1)), (width, isa, threads)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(kernels.ensure() != "compiled", reason="the decoder stack's activation is in the C++ extension")
+def test_activation_is_torchs_silu_times_up():
+    """The decoder stack's silu(gate) * up (activation.cpp: on an AVX2 CPU its own loop through the exp PyTorch's silu
+    kernel calls) against `F.silu(gate) * up` bit for bit: gate and up the halves of one fused projection's rows as
+    the stack passes them, and a contiguous single row; row lengths across PyTorch's vector steps and tails; values
+    from tiny to past exp's overflow, zeros, infinities; 1 to 6 rows (from 4 the threads share them)."""
+    gen = torch.Generator().manual_seed(15)
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-40, -1e-40, 88.0, -88.0, 104.0, -104.0,
+                            200.0, -200.0, 1e-7, -1e-7])
+    for n in (1, 7, 8, 15, 16, 17, 31, 32, 33, 100, 1536, 1543):
+        for t in range(1, 7):
+            scale = torch.logspace(-3, 2, 2 * n)[torch.randperm(2 * n, generator=gen)]
+            gu = torch.randn(t, 2 * n, generator=gen) * scale
+            flat = gu.view(-1)
+            flat[torch.randint(0, flat.numel(), (min(len(special), flat.numel()),), generator=gen)] = \
+                special[: min(len(special), flat.numel())]
+            gate, up = gu[:, :n], gu[:, n:]
+            for g, u in ((gate, up), (gate[:1].contiguous(), up[:1].contiguous())):
+                got = torch.ops.dflash.act_mul(g, u, 0)
+                want = torch.nn.functional.silu(g) * u
+                same = got.view(torch.int32) == want.view(torch.int32)
+                assert bool((same | (got.isnan() & want.isnan())).all()), (n, t, g.is_contiguous())

@@ -6,12 +6,83 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <string>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define DFLASH_SILU_X86 1
+// The exp that PyTorch's silu kernel calls through Vectorized<float>::exp() where ATen's CPU capability is AVX2
+// (ATen/cpu/vec/vec256), exported by libtorch_cpu
+extern "C" __m256 Sleef_expf8_u10(__m256);
+#endif
 
 namespace dflash_activation {
 
 using at::Tensor;
 
 namespace {
+
+// silu(g) * u for one row of n floats, the bits `F.silu(g) * u` gives it: where ATen's CPU capability is AVX2
+// (ATEN_CPU_CAPABILITY included), PyTorch's silu kernel (x / (1 + exp(-x))) runs a row in steps of two 8-float
+// vectors through Sleef's exp and the rest one element at a time through std::exp (ATen/native/cpu/Loops.h,
+// vectorized_loop), so this loop does the same with the same functions; then the product with up, one IEEE
+// multiply as mul_rows. What it saves is the elementwise call's dispatch and setup, a serial step of every layer in
+// a decode step's region (docs/performance.md, "The activation in one loop"). Other capabilities (AVX-512's 16-float
+// vectors) keep PyTorch's call: this loop is checked against every float32 input only on AVX2.
+float silu_scalar(float x) { return x / (1.0f + std::exp(-x)); }
+
+#ifdef DFLASH_SILU_X86
+__attribute__((target("avx2,fma"))) int64_t silu_mul_avx2(const float* g, const float* u, float* o, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i < n; i += 8) {  // n: whole steps of two vectors (PyTorch's step; one vector at a time gives the same)
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, Sleef_expf8_u10(_mm256_xor_ps(x, sign))));
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+  }
+  return i;
+}
+#endif
+
+// silu(g) * u into o for a row of n floats; false (nothing written) where this is not known to give PyTorch's
+// bits: not x86, or a CPU capability other than AVX2
+bool silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+#ifdef DFLASH_SILU_X86
+  // ATen's choice, as torch.backends.cpu.get_cpu_capability() reports it (fixed once ATen has dispatched)
+  static const bool avx2 = [] {
+    const std::string c = at::get_cpu_capability();
+    return c == "AVX2";
+  }();
+  if (!avx2) return false;
+  int64_t i = silu_mul_avx2(g, u, o, n / 16 * 16);  // whole steps of two vectors, then one element at a time
+  for (; i < n; i++) o[i] = silu_scalar(g[i]) * u[i];
+  return true;
+#else
+  (void)g, (void)u, (void)o, (void)n;
+  return false;
+#endif
+}
+
+// Whether t rows of gate take silu_mul_rows: one row, or rows of whole steps of PyTorch's loop (a multiple of 16
+// floats), since a call on several contiguous rows runs them as one range, whose steps then cross the rows
+bool native_silu(const Tensor& gate, int64_t t) { return gate.dim() == 2 && (t == 1 || gate.size(1) % 16 == 0); }
+
+// silu(gate) * up for rows r0 .. r1 of float32 rows with contiguous last dimensions (silu_mul_row); false where it
+// does not apply
+bool silu_mul_rows(Tensor& out, const Tensor& gate, const Tensor& up, int64_t r0, int64_t r1) {
+  if (gate.scalar_type() != at::kFloat || up.scalar_type() != at::kFloat || out.scalar_type() != at::kFloat ||
+      gate.stride(1) != 1 || up.stride(1) != 1 || out.stride(1) != 1)
+    return false;
+  const int64_t n = gate.size(1), gs = gate.stride(0), us = up.stride(0), os = out.stride(0);
+  const float *g = gate.data_ptr<float>(), *u = up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t r = r0; r < r1; r++)
+    if (!silu_mul_row(g + r * gs, u + r * us, o + r * os, n)) return false;
+  return true;
+}
 
 // act_mul's product for rows r0 .. r1: a plain loop, one IEEE multiply per element as Tensor.mul_
 // computes it, without the elementwise machinery's setup (4 us of a 16-row call's 13, 8 rows of 1536).
@@ -30,6 +101,7 @@ void mul_rows(Tensor& out, const Tensor& up, int64_t r0, int64_t r1) {
 // contiguous copy, whose bits do not depend on the rows either), the product by mul_rows where up is float32
 // with a contiguous last dimension, else Tensor.mul_
 void act_rows(Tensor& out, const Tensor& gate, const Tensor& up, int64_t act, int64_t r0, int64_t r1) {
+  if (act == 0 && native_silu(gate, r1 - r0) && silu_mul_rows(out, gate, up, r0, r1)) return;
   Tensor o = out.slice(0, r0, r1), g = gate.slice(0, r0, r1);
   if (act == 0) at::silu_out(o, g);
   else if (act == 1) at::gelu_out(o, g, "tanh");
@@ -51,6 +123,7 @@ Tensor act_mul(const Tensor& gate, const Tensor& up, int64_t act) {
   };
   const int64_t t = gate.size(0);
   Tensor out = at::empty({t, gate.size(1)}, gate.options());
+  if (act == 0 && native_silu(gate, t) && silu_mul_rows(out, gate, up, 0, t)) return out;
   // float32 rows with a contiguous last dimension take the loop (the other dtypes, Tensor.mul_)
   const bool plain = gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && up.stride(1) == 1;
   if (t < 4) {
@@ -71,3 +144,9 @@ Tensor act_mul(const Tensor& gate, const Tensor& up, int64_t act) {
 }
 
 }  // namespace dflash_activation
+
+// act(gate) * up as the decoder stack runs it (tests/test_kernels.py compares it with `F.silu(gate) * up` bit for bit)
+TORCH_LIBRARY_FRAGMENT(dflash, m) {
+  m.def("act_mul(Tensor gate, Tensor up, int act) -> Tensor");
+  m.impl("act_mul", c10::DispatchKey::CPU, &dflash_activation::act_mul);
+}
