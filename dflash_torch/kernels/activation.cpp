@@ -15,8 +15,9 @@
 #include <immintrin.h>
 #define DFLASH_SILU_X86 1
 // The exp that PyTorch's silu kernel calls through Vectorized<float>::exp() where ATen's CPU capability is AVX2
-// (ATen/cpu/vec/vec256), exported by libtorch_cpu
-extern "C" __m256 Sleef_expf8_u10(__m256);
+// (ATen/cpu/vec/vec256), exported by libtorch_cpu; weak, so that a build of torch without it still loads this
+// library (its address is then null, and PyTorch's own call runs)
+extern "C" __attribute__((weak)) __m256 Sleef_expf8_u10(__m256);
 #endif
 
 namespace dflash_activation {
@@ -54,7 +55,7 @@ bool silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
   // ATen's choice, as torch.backends.cpu.get_cpu_capability() reports it (fixed once ATen has dispatched)
   static const bool avx2 = [] {
     const std::string c = at::get_cpu_capability();
-    return c == "AVX2";
+    return c == "AVX2" && &Sleef_expf8_u10 != nullptr;
   }();
   if (!avx2) return false;
   int64_t i = silu_mul_avx2(g, u, o, n / 16 * 16);  // whole steps of two vectors, then one element at a time
