@@ -48,41 +48,41 @@ __attribute__((target("avx2,fma"))) int64_t silu_mul_avx2(const float* g, const 
 }
 #endif
 
-// silu(g) * u into o for a row of n floats; false (nothing written) where this is not known to give PyTorch's
-// bits: not x86, or a CPU capability other than AVX2
-bool silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+// Whether PyTorch's silu kernel is the one silu_mul_row reproduces: ATen's CPU capability AVX2 (as
+// torch.backends.cpu.get_cpu_capability() reports it, fixed once ATen has dispatched), with the exp exported
+bool avx2_silu() {
 #ifdef DFLASH_SILU_X86
-  // ATen's choice, as torch.backends.cpu.get_cpu_capability() reports it (fixed once ATen has dispatched)
-  static const bool avx2 = [] {
-    const std::string c = at::get_cpu_capability();
-    return c == "AVX2" && &Sleef_expf8_u10 != nullptr;
-  }();
-  if (!avx2) return false;
-  int64_t i = silu_mul_avx2(g, u, o, n / 16 * 16);  // whole steps of two vectors, then one element at a time
-  for (; i < n; i++) o[i] = silu_scalar(g[i]) * u[i];
-  return true;
+  static const bool avx2 = at::get_cpu_capability() == "AVX2" && &Sleef_expf8_u10 != nullptr;
+  return avx2;
 #else
-  (void)g, (void)u, (void)o, (void)n;
   return false;
 #endif
 }
 
-// Whether t rows of gate take silu_mul_rows: one row, or rows of whole steps of PyTorch's loop (a multiple of 16
-// floats), since a call on several contiguous rows runs them as one range, whose steps then cross the rows
-bool native_silu(const Tensor& gate, int64_t t) { return gate.dim() == 2 && (t == 1 || gate.size(1) % 16 == 0); }
+// silu(g) * u into o for a row of n floats (where avx2_silu())
+void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+  int64_t i = 0;
+#ifdef DFLASH_SILU_X86
+  i = silu_mul_avx2(g, u, o, n / 16 * 16);  // whole steps of two vectors, then one element at a time
+#endif
+  for (; i < n; i++) o[i] = silu_scalar(g[i]) * u[i];
+}
 
-// silu(gate) * up for rows r0 .. r1 of float32 rows with contiguous last dimensions (silu_mul_row); false where it
-// does not apply
-bool silu_mul_rows(Tensor& out, const Tensor& gate, const Tensor& up, int64_t r0, int64_t r1) {
-  if (gate.scalar_type() != at::kFloat || up.scalar_type() != at::kFloat || out.scalar_type() != at::kFloat ||
-      gate.stride(1) != 1 || up.stride(1) != 1 || out.stride(1) != 1)
-    return false;
+// Whether silu(gate) * up into out (t rows) takes silu_mul_rows: PyTorch's kernel is the AVX2 one, float32 rows with
+// contiguous last dimensions, and one row or rows of whole steps of PyTorch's loop (a multiple of 16 floats), since
+// a call on several contiguous rows runs them as one range, whose steps then cross the rows
+bool native_silu(const Tensor& out, const Tensor& gate, const Tensor& up, int64_t t) {
+  return avx2_silu() && gate.dim() == 2 && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat &&
+         out.scalar_type() == at::kFloat && gate.stride(1) == 1 && up.stride(1) == 1 && out.stride(1) == 1 &&
+         (t == 1 || gate.size(1) % 16 == 0);
+}
+
+// silu(gate) * up for rows r0 .. r1 (where native_silu)
+void silu_mul_rows(Tensor& out, const Tensor& gate, const Tensor& up, int64_t r0, int64_t r1) {
   const int64_t n = gate.size(1), gs = gate.stride(0), us = up.stride(0), os = out.stride(0);
   const float *g = gate.data_ptr<float>(), *u = up.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  for (int64_t r = r0; r < r1; r++)
-    if (!silu_mul_row(g + r * gs, u + r * us, o + r * os, n)) return false;
-  return true;
+  for (int64_t r = r0; r < r1; r++) silu_mul_row(g + r * gs, u + r * us, o + r * os, n);
 }
 
 // act_mul's product for rows r0 .. r1: a plain loop, one IEEE multiply per element as Tensor.mul_
@@ -97,12 +97,15 @@ void mul_rows(Tensor& out, const Tensor& up, int64_t r0, int64_t r1) {
 
 }  // namespace
 
-// act(gate) * up for rows r0 .. r1 into out (act 0 silu, 1 gelu (tanh), 2 gelu): the elementwise kernels on
-// the rows' strided views (every row its own inner loop: the bits of one call on all rows; the exact gelu on a
-// contiguous copy, whose bits do not depend on the rows either), the product by mul_rows where up is float32
-// with a contiguous last dimension, else Tensor.mul_
+// act(gate) * up for rows r0 .. r1 into out (act 0 silu, 1 gelu (tanh), 2 gelu): silu on AVX2 by silu_mul_rows;
+// else the elementwise kernels on the rows' strided views (every row its own inner loop: the bits of one call on all
+// rows; the exact gelu on a contiguous copy, whose bits do not depend on the rows either), the product by mul_rows
+// where up is float32 with a contiguous last dimension, else Tensor.mul_
 void act_rows(Tensor& out, const Tensor& gate, const Tensor& up, int64_t act, int64_t r0, int64_t r1) {
-  if (act == 0 && native_silu(gate, r1 - r0) && silu_mul_rows(out, gate, up, r0, r1)) return;
+  if (act == 0 && native_silu(out, gate, up, r1 - r0)) {
+    silu_mul_rows(out, gate, up, r0, r1);
+    return;
+  }
   Tensor o = out.slice(0, r0, r1), g = gate.slice(0, r0, r1);
   if (act == 0) at::silu_out(o, g);
   else if (act == 1) at::gelu_out(o, g, "tanh");
@@ -124,7 +127,11 @@ Tensor act_mul(const Tensor& gate, const Tensor& up, int64_t act) {
   };
   const int64_t t = gate.size(0);
   Tensor out = at::empty({t, gate.size(1)}, gate.options());
-  if (act == 0 && native_silu(gate, t) && silu_mul_rows(out, gate, up, 0, t)) return out;
+  if (act == 0 && native_silu(out, gate, up, t)) {  // silu on AVX2, from 4 rows in the threads' shares of them
+    if (t < 4) silu_mul_rows(out, gate, up, 0, t);
+    else at::parallel_for(0, t, 1, [&](int64_t r0, int64_t r1) { silu_mul_rows(out, gate, up, r0, r1); });
+    return out;
+  }
   // float32 rows with a contiguous last dimension take the loop (the other dtypes, Tensor.mul_)
   const bool plain = gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && up.stride(1) == 1;
   if (t < 4) {
