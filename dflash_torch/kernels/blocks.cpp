@@ -178,17 +178,17 @@ int64_t amx_min_rows() {
 }
 
 // Up to this many rows the AVX2 path keeps a Q4 matmul's float sums in registers (columns_rows_avx2: 4 rows per
-// pass over one column group's weights); past it the rows go in strips of 4 rows x 1 column group, from 9 rows
-// x 2 (columns_avx2). Q8_0 stays on the register rows at every row count: its sign step per product leaves the
-// strips no gain. Measured on an AMD Zen 3 (docs/performance.md, "AVX2 only: AMD EPYC (Zen 3)"): 2-3 rows level,
-// 4-5 rows faster in strips, 6-8 level. DFLASH_AVX2_ROWS overrides the count, for measuring (the paths give the
-// same bits).
+// pass over one column group's weights); past it the rows go in strips of 4 rows x 2 column groups (columns_avx2).
+// Q8_0 stays on the register rows at every row count: its sign step per product leaves the strips no gain.
+// Measured on an AMD Zen 3 (docs/performance.md, "AVX2 only: AMD EPYC (Zen 3)"): whole verify passes of 3 rows
+// 0.96-1.00 of the register rows' time, 2 rows level. DFLASH_AVX2_ROWS overrides the count, for measuring (the
+// paths give the same bits).
 int64_t avx2_tile_rows() {
   static const int64_t forced = [] {
     const char* v = std::getenv("DFLASH_AVX2_ROWS");
     return v && *v ? std::atoll(v) : -1;
   }();
-  return forced >= 0 ? forced : 3;
+  return forced >= 0 ? forced : 2;
 }
 
 // AMD Zen 4 (family 0x19 with AVX-512) runs each 512-bit instruction as two 256-bit halves. There the

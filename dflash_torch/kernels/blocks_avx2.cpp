@@ -95,6 +95,22 @@ void columns_rows_t(const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& 
   }
 }
 
+// Prefetch for block b of a strip over a pair of column groups (group g's nb records from w, then group g + 1's):
+// a strip reads block b of both, so where a group has at most PF blocks the records ahead are fetched as one sweep
+// in memory order at the pace the strip consumes them, two records a block: records PF + 2b and PF + 2b + 1 from
+// the pair's first (the second group's last blocks, then the next pair's). prefetch_pair fetches each group's own
+// stream PF blocks ahead instead, and with it two-group strips read weights from memory slower than one group's
+// single stream did, though faster from cache (docs/performance.md, "AVX2 only: AMD EPYC (Zen 3)"). Past PF blocks
+// a sweep at that pace would fall behind the second group's stream, which prefetch_pair follows.
+__attribute__((always_inline)) inline void prefetch_sweep(const uint8_t* w, int64_t b, int64_t nb, int64_t gb) {
+  if (nb > PF) {
+    prefetch_pair(w, b, nb, gb);
+    return;
+  }
+  const uint8_t* ahead = w + (PF + 2 * b) * gb;
+  for (int64_t off = 0; off < 2 * gb; off += 64) _mm_prefetch((const char*)(ahead + off), _MM_HINT_T0);
+}
+
 // R rows x C column groups (C <= 2) of a Q4 matmul over all blocks, past avx2_tile_rows() rows (blocks.cpp): the
 // int16 block sums of the R x C pairs in registers (R = 4, C = 2: 8 sums, a chunk's weights for both groups
 // and a broadcast), so each unpacked chunk of weights serves R rows and each broadcast of 4 activation bytes
@@ -113,7 +129,7 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_block(const uint8_t* w, int64
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* rec = w + b * gb;  // group c's record: rec + c * gstride
     if (pf) {
-      if (C == 2) prefetch_pair(w, b, nb, gb);
+      if (C == 2) prefetch_sweep(w, b, nb, gb);
       else prefetch_ahead(rec, gb);
     }
     __m256i s[R][C];
@@ -174,11 +190,8 @@ void columns_avx2_t(const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& 
   alignas(32) float acc[4 * 2 * GROUP];
   for (int64_t t0 = 0; t0 < m; t0 += TILE_ROWS) {  // a prefill's rows a tile at a time
     const int64_t t1 = std::min<int64_t>(m, t0 + TILE_ROWS);
-    // groups per strip: two from 9 rows; below, where each weight is read once, from memory, one group's stream
-    // went faster than two (and than the register rows at 4-5 rows: docs/performance.md)
-    const int64_t per = m > 8 ? 2 : 1;
-    for (int64_t g = g0; g < g1; g += per) {
-      const int64_t pair = std::min<int64_t>(per, g1 - g);
+    for (int64_t g = g0; g < g1; g += 2) {  // two groups per strip (the last of an odd share alone)
+      const int64_t pair = std::min<int64_t>(2, g1 - g);
       const uint8_t* w = wp + g * gstride;
       for (int64_t r = t0; r < t1; r += 4) {  // strips of 4 rows; the pair's weights stay in L1 across them
         const int64_t rows = std::min<int64_t>(4, t1 - r);
