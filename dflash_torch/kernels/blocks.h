@@ -59,6 +59,8 @@ inline void store_rows(float* y, const float* res, int64_t n, int64_t r0, int64_
     if (res != nullptr) {
       const float* rr = res + (r0 + r) * n + c0;
       for (int64_t c = 0; c < cols; c++) out[c] = rr[c] + a[c];
+    } else if (cols == GROUP) {
+      std::memcpy(out, a, sizeof(float) * GROUP);  // a constant size: inlined, where a call took longer than the copy
     } else {
       std::memcpy(out, a, sizeof(float) * cols);
     }

@@ -70,7 +70,7 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_rows(const uint8_t* w, int64_
   for (int r = 0; r < R; r++) _mm256_storeu_ps(out + GROUP * r, acc[r]);
 }
 
-// column groups [g0, g1) for all m rows on the register rows (a Q4 matmul of 1-3 rows, Q8_0 at every count), 4
+// column groups [g0, g1) for all m rows on the register rows (a Q4 matmul of 1-2 rows, Q8_0 at every count), 4
 // rows per pass over a group's weights, each pass's sums stored into y (store_rows) without a zeroed tile between
 template <int64_t fmt>
 void columns_rows_t(const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& x, int64_t m, int64_t g0, int64_t g1,
@@ -114,9 +114,10 @@ __attribute__((always_inline)) inline void prefetch_sweep(const uint8_t* w, int6
 // R rows x C column groups (C <= 2) of a Q4 matmul over all blocks, past avx2_tile_rows() rows (blocks.cpp): the
 // int16 block sums of the R x C pairs in registers (R = 4, C = 2: 8 sums, a chunk's weights for both groups
 // and a broadcast), so each unpacked chunk of weights serves R rows and each broadcast of 4 activation bytes
-// serves C groups; the float sums go to acc [R, 2 * GROUP] in L1 once per block. Per multiply-add that is
-// fewer loads and broadcasts than a tile that unpacks a block once for 64 rows and runs them one after
-// another, which is what the AVX2 path did before (docs/performance.md, "AVX2 only: AMD EPYC (Zen 3)").
+// serves C groups; the float sums go to acc [R, 2 * GROUP] in L1 once per block (the first block's over zeros,
+// so acc needs no clearing per strip). Per multiply-add that is fewer loads and broadcasts than a tile that
+// unpacks a block once for 64 rows and runs them one after another, which is what the AVX2 path did before
+// (docs/performance.md, "AVX2 only: AMD EPYC (Zen 3)").
 // pf: prefetch the weights ahead (the first strip of rows reads them from memory, the others from L1).
 template <int64_t fmt, int R, int C>
 __attribute__((target("avx2,fma,f16c"))) void avx2_block(const uint8_t* w, int64_t gstride, int64_t nb, const Rows& xr,
@@ -167,7 +168,8 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_block(const uint8_t* w, int64
       for (int c = 0; c < C; c++) {
         const __m256i isum = _mm256_madd_epi16(s[r][c], ones);
         float* a = acc + r * 2 * GROUP + c * GROUP;
-        _mm256_storeu_ps(a, float_step8<fmt>(_mm256_loadu_ps(a), isum, dw[c], mw[c], x, (r0 + r) * x.nb + b));
+        const __m256 prev = b == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(a);  // 0 + the first block, as the twin
+        _mm256_storeu_ps(a, float_step8<fmt>(prev, isum, dw[c], mw[c], x, (r0 + r) * x.nb + b));
       }
     }
   }
@@ -188,6 +190,7 @@ template <int64_t fmt>
 void columns_avx2_t(const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& x, int64_t m, int64_t g0, int64_t g1,
                     float* y, int64_t n, const float* res) {
   alignas(32) float acc[4 * 2 * GROUP];
+  std::memset(acc, 0, sizeof(acc));  // once: a strip over no blocks (k = 0) writes nothing into it
   for (int64_t t0 = 0; t0 < m; t0 += TILE_ROWS) {  // a prefill's rows a tile at a time
     const int64_t t1 = std::min<int64_t>(m, t0 + TILE_ROWS);
     for (int64_t g = g0; g < g1; g += 2) {  // two groups per strip (the last of an odd share alone)
@@ -195,7 +198,6 @@ void columns_avx2_t(const uint8_t* wp, int64_t gstride, int64_t nb, const Rows& 
       const uint8_t* w = wp + g * gstride;
       for (int64_t r = t0; r < t1; r += 4) {  // strips of 4 rows; the pair's weights stay in L1 across them
         const int64_t rows = std::min<int64_t>(4, t1 - r);
-        std::memset(acc, 0, sizeof(acc));
         if (pair == 2) block_rows<fmt, 2>(w, gstride, nb, x, r, rows, r == t0, acc);
         else block_rows<fmt, 1>(w, gstride, nb, x, r, rows, r == t0, acc);
         for (int64_t c = 0; c < pair; c++) {
