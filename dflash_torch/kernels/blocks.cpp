@@ -350,6 +350,48 @@ void mm_quantize(const MmCall& c, int64_t r0, int64_t r1) {
 }
 
 // output column units [u0, u1) (tiles of 16 columns: AMX tiles or pairs of VNNI column groups; else groups of 8)
+void ColumnShare::reset(int64_t units, int64_t nth) {
+  units_ = units;
+  nth_ = std::max<int64_t>(1, nth);
+  // about 8 chunks a thread (so a slow thread's rest is shared finely), an even count of column groups each (the
+  // AVX2 strips take groups in pairs)
+  chunk_ = std::max<int64_t>(1, (units + 8 * nth_ - 1) / (8 * nth_));
+  if (chunk_ > 1 && chunk_ % 2) chunk_++;
+  if (nth_ > MAX_THREADS) return;
+  const int64_t chunks = (units + chunk_ - 1) / chunk_;
+  for (int64_t t = 0; t < nth_; t++) {
+    const auto [b, e] = even_share(chunks, t, nth_);
+    left_[t].store((uint64_t)b << 32 | (uint64_t)e, std::memory_order_relaxed);
+  }
+}
+
+void ColumnShare::run(const MmCall& c, int64_t tid) {
+  if (nth_ > MAX_THREADS) {
+    const auto [u0, u1] = even_share(units_, tid, nth_);
+    mm_columns(c, u0, u1);
+    return;
+  }
+  // take one chunk of thread t's: from the front (its own) or from the back (another's); false when none is left
+  auto take = [&](int64_t t, bool front, int64_t& i) {
+    uint64_t v = left_[t].load(std::memory_order_relaxed);
+    while (true) {
+      const uint64_t f = v >> 32, b = v & 0xffffffffu;
+      if (f >= b) return false;
+      const uint64_t next = front ? (f + 1) << 32 | b : f << 32 | (b - 1);
+      if (left_[t].compare_exchange_weak(v, next, std::memory_order_relaxed)) {
+        i = (int64_t)(front ? f : b - 1);
+        return true;
+      }
+    }
+  };
+  // (the columns each chunk writes reach the other threads through the barrier after `run`)
+  auto columns = [&](int64_t i) { mm_columns(c, i * chunk_, std::min(units_, (i + 1) * chunk_)); };
+  int64_t i;
+  while (take(tid, true, i)) columns(i);
+  for (int64_t v = 1; v < nth_; v++)
+    while (take((tid + v) % nth_, false, i)) columns(i);
+}
+
 void mm_columns(const MmCall& c, int64_t u0, int64_t u1) {
   if (u0 >= u1) return;
   const Rows rows{c.q, c.d, c.s, c.ds, c.s8, c.u, c.k, c.nb};
@@ -438,6 +480,8 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
   // the region has no barrier inside (the others would only wait at it; ~1% of a decode step).
   const bool before = m < threads;
   if (before) mm_quantize(c, 0, m);
+  ColumnShare share;
+  share.reset(c.units, threads);
 #pragma omp parallel num_threads(threads)
   {
     const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
@@ -446,8 +490,7 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
       mm_quantize(c, r0, r1);
 #pragma omp barrier
     }
-    const auto [u0, u1] = even_share(c.units, tid, nth);
-    mm_columns(c, u0, u1);
+    share.run(c, tid);  // (a region given fewer threads: they take the missing threads' shares too)
   }
   return y;
 }

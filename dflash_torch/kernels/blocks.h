@@ -6,6 +6,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -135,7 +136,7 @@ bool amx_usable();
 
 // One block matmul, for callers that run its two steps inside their own parallel region (block_mm itself,
 // and layers.cpp's decode stack): `mm_setup` on the calling thread, `mm_quantize` on row ranges, a barrier,
-// then `mm_columns` on each thread's share of `units` (even_share). Every row and column is computed alike
+// then `mm_columns` on the threads' shares of `units` (ColumnShare below). Every row and column is computed alike
 // however the ranges fall, so the bits are block_mm's.
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, VNNI = 2, AMX = 3 };
 
@@ -173,5 +174,21 @@ inline std::pair<int64_t, int64_t> even_share(int64_t total, int64_t tid, int64_
   const int64_t per = (total + nth - 1) / nth, begin = std::min(total, tid * per);
   return {begin, std::min(total, begin + per)};
 }
+
+// A matmul's columns shared out as the threads go: each thread takes chunks of its even share from the front, in
+// order, then chunks from the back of the other threads' shares. With cores running alike that is the even share,
+// each thread's chunks one stream; where one core runs slower for a while (another process on it, the hypervisor)
+// the others take the rest of its share instead of waiting for it at the barrier. Every column is computed alike
+// whichever thread takes it, so the bits are the even share's.
+class ColumnShare {
+ public:
+  // on one thread, before the barrier that precedes `run` (the previous `run` over: past its barrier)
+  void reset(int64_t units, int64_t nth);
+  void run(const MmCall& c, int64_t tid);  // on every thread of the region, then a barrier
+ private:
+  static constexpr int64_t MAX_THREADS = 256;  // past this, the even share
+  std::atomic<uint64_t> left_[MAX_THREADS];   // thread t's chunks not yet taken: front << 32 | back
+  int64_t nth_ = 1, chunk_ = 1, units_ = 0;
+};
 
 }  // namespace dflash_blocks

@@ -154,6 +154,7 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
   dflash_attention::DecodePlan plan{};  // each layer's attention steps: set by thread 0, read past a barrier
   thread_local MmScratch scratch;  // (used by thread 0 alone: the others read it through c's pointers)
   MmCall c;  // the current matmul: set by thread 0, read by all after the barrier that follows
+  ColumnShare share;  // its columns' chunks, reset with it
   Tensor a;  // the activation's output, alive until the down projection has read it
   // every thread of the region takes part in every matmul: as many threads as the fewest column units
   int64_t units = 0;
@@ -178,8 +179,7 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
     };
     auto columns = [&]() {  // every thread its share of the current matmul's columns, then a barrier
       if (!error) {
-        const auto [u0, u1] = even_share(c.units, tid, nth);
-        mm_columns(c, u0, u1);
+        share.run(c, tid);
       }
 #pragma omp barrier
     };
@@ -192,6 +192,7 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
         mm_setup(c, scratch, codes[4 * i] % 8, isa, false, packed[4 * i].data_ptr<uint8_t>(), fqkv, hid, 1, xp,
                  norms[2 * i].data_ptr<float>(), (float)eps, yqkv.data_ptr<float>(), nullptr);
         mm_quantize(c, 0, 1);
+        share.reset(c.units, nth);
       });
       columns();
       step([&] {
@@ -209,12 +210,14 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
         mm_setup(c, scratch, codes[4 * i + 1] % 8, isa, false, packed[4 * i + 1].data_ptr<uint8_t>(), hid, hid, 1,
                  av, nullptr, 0.f, xp, xp);
         mm_quantize(c, 0, 1);
+        share.reset(c.units, nth);
       });
       columns();  // x += o(attn), each thread its own columns
       step([&] {
         mm_setup(c, scratch, codes[4 * i + 2] % 8, isa, false, packed[4 * i + 2].data_ptr<uint8_t>(), fgu, hid, 1,
                  xp, norms[2 * i + 1].data_ptr<float>(), (float)eps, ygu.data_ptr<float>(), nullptr);
         mm_quantize(c, 0, 1);
+        share.reset(c.units, nth);
       });
       columns();
       step([&] {
@@ -222,6 +225,7 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
         mm_setup(c, scratch, codes[4 * i + 3] % 8, isa, false, packed[4 * i + 3].data_ptr<uint8_t>(), hid, fgu / 2,
                  1, a.data_ptr<float>(), nullptr, 0.f, xp, xp);
         mm_quantize(c, 0, 1);
+        share.reset(c.units, nth);
       });
       columns();  // x += down(a)
       if (next_tap < tap_layers.size() && tap_layers[next_tap] == i) {
@@ -360,6 +364,7 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
   const float *cp = cos.data_ptr<float>(), *sp = signed_sin.data_ptr<float>();
   thread_local MmScratch scratch;  // (resized by thread 0 alone: the others read it through c's pointers)
   MmCall c;  // the current matmul: set by thread 0, read by all after the barrier that follows
+  ColumnShare share;  // its columns' chunks, reset with it
   const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the other threads are told
   // the threads share each matmul's rows to quantize (and normalize) as block_mm's do: thread 0 alone took 0.2-0.3
   // ms of a 2- or 4-row pass while the other waited (barrier timers, docs/performance.md)
@@ -394,6 +399,7 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
           mm_setup(c, scratch, codes[slot] % 8, isa, false, packed[slot].data_ptr<uint8_t>(), n, k, t, in, norm_w,
                    (float)eps, y, res);
           if (!split_quantize) mm_quantize(c, 0, t);
+          share.reset(c.units, nth);
         });
 #pragma omp barrier
       if (split_quantize) {
@@ -401,8 +407,7 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
         guarded([&] { mm_quantize(c, r0, r1); });
 #pragma omp barrier
       }
-      const auto [u0, u1] = even_share(c.units, tid, nth);
-      guarded([&] { mm_columns(c, u0, u1); });
+      guarded([&] { share.run(c, tid); });
 #pragma omp barrier
     };
     size_t next_tap = 0;
