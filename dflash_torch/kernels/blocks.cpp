@@ -293,7 +293,8 @@ void check_packed(const torch::Tensor& packed, int64_t fmt, int64_t n, int64_t k
 namespace dflash_blocks {
 
 void mm_setup(MmCall& c, MmScratch& scratch, int64_t fmt, int64_t isa, bool asked, const uint8_t* wp, int64_t n,
-              int64_t k, int64_t m, const float* x, const float* norm_w, float eps, float* y, const float* res) {
+              int64_t k, int64_t m, const float* x, const float* norm_w, float eps, float* y, const float* res,
+              bool prepare) {
   const int64_t nb = k / QK;
   // AMX where asked for, or where it is the best path and the rows fill enough of a tile; else VNNI
   const bool amx = isa == AMX && (asked || m >= amx_min_rows());
@@ -303,11 +304,11 @@ void mm_setup(MmCall& c, MmScratch& scratch, int64_t fmt, int64_t isa, bool aske
   const int64_t mpad = amx && m > 16 ? (m + 15) / 16 * 16 : m;  // AMX reads whole 16-row tiles past 16 rows
   // the scratch only grows: a pass alternates matmuls of 576 and 1536 inputs, and a vector resized up again
   // zero-fills what it regains (about 1 us of the calling thread's, alone, per matmul of a 16-row pass)
-  auto fit = [](auto& v, int64_t size) {
-    if ((int64_t)v.size() < size) v.resize(size);
+  auto fit = [prepare](auto& v, int64_t size) {
+    if (prepare && (int64_t)v.size() < size) v.resize(size);
   };
   fit(scratch.q, mpad * k);
-  std::memset(scratch.q.data() + m * k, 0, (mpad - m) * k);
+  if (prepare) std::memset(scratch.q.data() + m * k, 0, (mpad - m) * k);
   fit(scratch.d, m * nb);
   fit(scratch.ds, m * nb);
   fit(scratch.s, m * nb);

@@ -163,9 +163,12 @@ struct MmCall {
   uint8_t* u;
 };
 
-// isa: resolved (resolve_isa); asked: the caller named it (then AMX whatever the rows)
+// isa: resolved (resolve_isa); asked: the caller named it (then AMX whatever the rows). prepare: size the scratch
+// and clear AMX's padding rows; without it, only c is set (each thread of a region its own copy of the call, the
+// scratch sized for it beforehand and its padding cleared by one thread)
 void mm_setup(MmCall& c, MmScratch& scratch, int64_t fmt, int64_t isa, bool asked, const uint8_t* wp, int64_t n,
-              int64_t k, int64_t m, const float* x, const float* norm_w, float eps, float* y, const float* res);
+              int64_t k, int64_t m, const float* x, const float* norm_w, float eps, float* y, const float* res,
+              bool prepare = true);
 void mm_quantize(const MmCall& c, int64_t r0, int64_t r1);
 void mm_columns(const MmCall& c, int64_t u0, int64_t u1);
 int64_t resolve_isa(int64_t isa);  // -1: the best this CPU has

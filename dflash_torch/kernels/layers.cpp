@@ -362,9 +362,19 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
         break;
       }
   const float *cp = cos.data_ptr<float>(), *sp = signed_sin.data_ptr<float>();
-  thread_local MmScratch scratch;  // (resized by thread 0 alone: the others read it through c's pointers)
-  MmCall c;  // the current matmul: set by thread 0, read by all after the barrier that follows
-  ColumnShare share;  // its columns' chunks, reset with it
+  // the activations' quants, sized here for every matmul of the pass, so that inside the region each thread sets up
+  // its own copy of a matmul's call (the same pointers) with no barrier after it; thread 0 alone clears AMX's
+  // padding rows (mm_setup's prepare). (thread_local: the calling thread's, reached inside through the pointer)
+  thread_local MmScratch scratch_tl;
+  MmScratch* scratch = &scratch_tl;
+  for (int64_t i = 0; i < layers; i++) {
+    MmCall sized;
+    const int64_t nk[4][2] = {{fqkv, hid}, {hid, hid}, {fgu, hid}, {hid, inter}};
+    for (int64_t j = 0; j < 4; j++)
+      mm_setup(sized, *scratch, codes[4 * i + j] % 8, isa, false, packed[4 * i + j].data_ptr<uint8_t>(), nk[j][0],
+               nk[j][1], t, nullptr, nullptr, 0.f, nullptr, nullptr);
+  }
+  ColumnShare share;  // the current matmul's columns' chunks, reset by thread 0
   const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the other threads are told
   // the threads share each matmul's rows to quantize (and normalize) as block_mm's do: thread 0 alone took 0.2-0.3
   // ms of a 2- or 4-row pass while the other waited (barrier timers, docs/performance.md)
@@ -391,22 +401,21 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
         error = std::current_exception();
       }
     };
-    // one matmul: thread 0 sets it up (and quantizes every row, with one thread), then everyone's share
+    MmCall c;  // this thread's copy of the current matmul's call
+    // one matmul: every thread sets up its copy and quantizes its share of the rows (thread 0 all of them, with
+    // fewer rows than threads), a barrier, then everyone's chunks of the columns. Thread 0 resets the chunks: the
+    // last matmul's are all taken (past its barrier) and no thread takes this one's before the next barrier.
     auto matmul = [&](int64_t slot, int64_t n, int64_t k, const float* in, const float* norm_w, float* y,
                       const float* res) {
-      if (tid == 0)
-        guarded([&] {
-          mm_setup(c, scratch, codes[slot] % 8, isa, false, packed[slot].data_ptr<uint8_t>(), n, k, t, in, norm_w,
-                   (float)eps, y, res);
-          if (!split_quantize) mm_quantize(c, 0, t);
-          share.reset(c.units, nth);
-        });
+      guarded([&] {
+        mm_setup(c, *scratch, codes[slot] % 8, isa, false, packed[slot].data_ptr<uint8_t>(), n, k, t, in, norm_w,
+                 (float)eps, y, res, tid == 0);
+        if (tid == 0) share.reset(c.units, nth);
+        const auto [q0, q1] = split_quantize ? even_share(t, tid, nth)
+                                             : std::pair<int64_t, int64_t>{0, tid == 0 ? t : 0};
+        if (q0 < q1) mm_quantize(c, q0, q1);
+      });
 #pragma omp barrier
-      if (split_quantize) {
-        const auto [r0, r1] = even_share(t, tid, nth);
-        guarded([&] { mm_quantize(c, r0, r1); });
-#pragma omp barrier
-      }
       guarded([&] { share.run(c, tid); });
 #pragma omp barrier
     };
