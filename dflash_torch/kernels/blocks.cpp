@@ -350,7 +350,6 @@ void mm_quantize(const MmCall& c, int64_t r0, int64_t r1) {
   }
 }
 
-// output column units [u0, u1) (tiles of 16 columns: AMX tiles or pairs of VNNI column groups; else groups of 8)
 void ColumnShare::reset(int64_t units, int64_t nth) {
   units_ = units;
   nth_ = std::max<int64_t>(1, nth);
@@ -393,6 +392,7 @@ void ColumnShare::run(const MmCall& c, int64_t tid) {
     while (take((tid + v) % nth_, false, i)) columns(i);
 }
 
+// output column units [u0, u1) (tiles of 16 columns: AMX tiles or pairs of VNNI column groups; else groups of 8)
 void mm_columns(const MmCall& c, int64_t u0, int64_t u1) {
   if (u0 >= u1) return;
   const Rows rows{c.q, c.d, c.s, c.ds, c.s8, c.u, c.k, c.nb};
