@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -104,14 +105,35 @@ __attribute__((always_inline)) inline void prefetch_pair(const uint8_t* w0, int6
 // operations of DFLASH_FLOAT_STEP_AT in its order: acc + float(isum [- 8 s]) * (d_x * d_w) [+ m_w * (d_x s_x)].
 // dw, mw: the block's weight scales and Q4_1 minimums, widened; at: the row's block index into x.d / s / ds.
 // started: Q4_0's sum already holds the - 8 s (its chain started there), the same integer.
+// RowStep8: a row's part of it, broadcast once for all the column groups a kernel runs that row against.
+struct RowStep8 {
+  __m256 d, ds;  // d_x, d_x s_x (Q4_1)
+  __m256i s8;    // 8 s (Q4_0)
+};
+
+template <int64_t fmt, bool started = false>
+__attribute__((target("avx2,fma,f16c"))) inline RowStep8 row_step8(const Rows& x, int64_t at) {
+  RowStep8 r;
+  r.d = _mm256_set1_ps(x.d[at]);
+  r.ds = fmt == Q4_1 ? _mm256_set1_ps(x.ds[at]) : _mm256_setzero_ps();
+  r.s8 = fmt == Q4_0 && !started ? _mm256_slli_epi32(_mm256_set1_epi32(x.s[at]), 3) : _mm256_setzero_si256();
+  return r;
+}
+
+template <int64_t fmt, bool started = false>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 float_step8(__m256 acc, __m256i isum, __m256 dw, __m256 mw,
+                                                                   const RowStep8& x) {
+  if (fmt == Q4_0 && !started) isum = _mm256_sub_epi32(isum, x.s8);
+  const __m256 dd = _mm256_mul_ps(x.d, dw);
+  acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dd));
+  if (fmt == Q4_1) acc = _mm256_add_ps(acc, _mm256_mul_ps(mw, x.ds));
+  return acc;
+}
+
 template <int64_t fmt, bool started = false>
 __attribute__((target("avx2,fma,f16c"))) inline __m256 float_step8(__m256 acc, __m256i isum, __m256 dw, __m256 mw,
                                                                    const Rows& x, int64_t at) {
-  if (fmt == Q4_0 && !started) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_set1_epi32(x.s[at]), 3));
-  const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(x.d[at]), dw);
-  acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dd));
-  if (fmt == Q4_1) acc = _mm256_add_ps(acc, _mm256_mul_ps(mw, _mm256_set1_ps(x.ds[at])));
-  return acc;
+  return float_step8<fmt, started>(acc, isum, dw, mw, row_step8<fmt, started>(x, at));
 }
 #endif
 

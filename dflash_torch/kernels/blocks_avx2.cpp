@@ -17,6 +17,15 @@
 namespace dflash_blocks {
 namespace {
 
+// The sums v as they stand, each chunk's products added before the next chunk's: left to itself the compiler
+// reassociates the chains of integer adds (all chunks' products first, summed as a tree), keeps more vectors live
+// than the 16 registers hold, and spills them every block.
+template <int N>
+__attribute__((target("avx2"), always_inline)) inline void keep_order(__m256i* v) {
+  #pragma GCC unroll 16
+  for (int i = 0; i < N; i++) asm("" : "+x"(v[i]));
+}
+
 // A few rows of one column group with their float sums in registers across all blocks (R <= 4: the sums,
 // the rows' int16 chains and one chunk's weights fill the 16 ymm registers). The weights are unpacked one
 // chunk (32 bytes) at a time, so a few rows cost little more than one while the weights stream from memory.
@@ -44,6 +53,7 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_rows(const uint8_t* w, int64_
           const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), wj);
           isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
         }
+        if (R > 1) keep_order<R>(isum);  // one row's chain spills nothing
       }
     } else {
       __m256i s16[R];
@@ -57,6 +67,7 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_rows(const uint8_t* w, int64_
                                              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4[j + 4])));
           s16[r] = j == 0 ? t : _mm256_add_epi16(s16[r], t);
         }
+        if (R > 1) keep_order<R>(s16);
       }
       #pragma GCC unroll 16
       for (int r = 0; r < R; r++) isum[r] = _mm256_madd_epi16(s16[r], ones);
@@ -111,6 +122,34 @@ __attribute__((always_inline)) inline void prefetch_sweep(const uint8_t* w, int6
   for (int64_t off = 0; off < 2 * gb; off += 64) _mm_prefetch((const char*)(ahead + off), _MM_HINT_T0);
 }
 
+// Chunk j of a block for a strip: values 4j.. in the low nibbles, then 16 + 4j.. in the high, each unpacked
+// once for the R rows. first: the first chunk's low half sets the int16 sums (no zeroing, no add).
+template <int R, int C, bool first>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void strip_chunk(__m256i (&s)[R][C], const uint8_t* rec,
+                                                                               int64_t gstride, int64_t qoff, int j,
+                                                                               const int8_t* xb0, int64_t xk,
+                                                                               __m256i low) {
+  #pragma GCC unroll 2
+  for (int h = 0; h < 2; h++) {  // one half at a time: C weight vectors live, not 2 C
+    __m256i wh[C];
+    #pragma GCC unroll 4
+    for (int c = 0; c < C; c++) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(rec + c * gstride + qoff + 32 * j));
+      wh[c] = _mm256_and_si256(h == 0 ? v : _mm256_srli_epi16(v, 4), low);
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+      const __m256i xb = _mm256_set1_epi32(((const int32_t*)(xb0 + r * xk))[j + 4 * h]);
+      #pragma GCC unroll 4
+      for (int c = 0; c < C; c++) {
+        const __m256i p = _mm256_maddubs_epi16(wh[c], xb);
+        s[r][c] = first && h == 0 ? p : _mm256_add_epi16(s[r][c], p);
+      }
+    }
+    keep_order<R * C>(&s[0][0]);  // each half's products into the sums before the next half's
+  }
+}
+
 // R rows x C column groups (C <= 2) of a Q4 matmul over all blocks, past avx2_tile_rows() rows (blocks.cpp): the
 // int16 block sums of the R x C pairs in registers (R = 4, C = 2: 8 sums, a chunk's weights for both groups
 // and a broadcast), so each unpacked chunk of weights serves R rows and each broadcast of 4 activation bytes
@@ -134,28 +173,9 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_block(const uint8_t* w, int64
       else prefetch_ahead(rec, gb);
     }
     __m256i s[R][C];
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; r++)
-      #pragma GCC unroll 4
-      for (int c = 0; c < C; c++) s[r][c] = _mm256_setzero_si256();
+    strip_chunk<R, C, true>(s, rec, gstride, qoff, 0, xq + b * QK, xk, low);
     #pragma GCC unroll 1  // a loop: unrolled (as -O3 does), its loads are hoisted and spilled
-    for (int j = 0; j < 4; j++) {  // chunk j: values 4j.. in the low nibbles, then 16 + 4j.. in the high
-      #pragma GCC unroll 2
-      for (int h = 0; h < 2; h++) {  // one half at a time: C weight vectors live, not 2 C
-        __m256i wh[C];
-        #pragma GCC unroll 4
-        for (int c = 0; c < C; c++) {
-          const __m256i v = _mm256_loadu_si256((const __m256i*)(rec + c * gstride + qoff + 32 * j));
-          wh[c] = _mm256_and_si256(h == 0 ? v : _mm256_srli_epi16(v, 4), low);
-        }
-        #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-          const __m256i xb = _mm256_set1_epi32(((const int32_t*)(xq + r * xk + b * QK))[j + 4 * h]);
-          #pragma GCC unroll 4
-          for (int c = 0; c < C; c++) s[r][c] = _mm256_add_epi16(s[r][c], _mm256_maddubs_epi16(wh[c], xb));
-        }
-      }
-    }
+    for (int j = 1; j < 4; j++) strip_chunk<R, C, false>(s, rec, gstride, qoff, j, xq + b * QK, xk, low);
     __m256 dw[C], mw[C];
     #pragma GCC unroll 4
     for (int c = 0; c < C; c++) {
@@ -164,12 +184,13 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_block(const uint8_t* w, int64
     }
     #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
+      const RowStep8 xs = row_step8<fmt>(x, (r0 + r) * x.nb + b);  // once for the row's C groups
       #pragma GCC unroll 4
       for (int c = 0; c < C; c++) {
         const __m256i isum = _mm256_madd_epi16(s[r][c], ones);
         float* a = acc + r * 2 * GROUP + c * GROUP;
         const __m256 prev = b == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(a);  // 0 + the first block, as the twin
-        _mm256_storeu_ps(a, float_step8<fmt>(prev, isum, dw[c], mw[c], x, (r0 + r) * x.nb + b));
+        _mm256_storeu_ps(a, float_step8<fmt>(prev, isum, dw[c], mw[c], xs));
       }
     }
   }
