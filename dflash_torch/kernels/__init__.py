@@ -35,7 +35,8 @@ def _build_dir() -> Path:
     return path
 
 
-SOURCES = ("blocks.cpp", "blocks_avx2.cpp", "blocks_avx512.cpp", "attention.cpp", "attention_avx512.cpp", "norm.cpp",
+SOURCES = ("blocks.cpp", "blocks_avx2.cpp", "blocks_avx512.cpp", "attention.cpp", "attention_avx512.cpp",
+           "attention_split_avx2.cpp", "norm.cpp",
            "argmax.cpp", "activation.cpp", "layers.cpp", "draft.cpp",
            "selector.cpp")
 HEADERS = ("blocks.h", "attention.h", "activation.h", "layers.h")

@@ -69,72 +69,6 @@ void query_scalar(const float* q, const KV* k, int64_t ks, const KV* v, int64_t 
 // between blocks) are therefore the numbers it gets alone (tests/test_kernels.py compares them with the
 // scalar twin).
 
-// 8 keys' 8-lane dot sums a[0..8) -> their scores into dst[0..8): tree8's sums for all 8 at once
-DFLASH_AVX2 inline void reduce8_avx2(const __m256* a, __m256 sc, float* dst) {
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // lanes hold keys 0 2 4 6 1 3 5 7
-  __m256 b[4];  // keys 2i, 2i+1: [l0+l4 .. l3+l7 | l0+l4 .. l3+l7]
-  for (int i = 0; i < 4; i++)
-    b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
-                         _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
-  // [(l0+l4)+(l2+l6), (l1+l5)+(l3+l7)] per key, keys (0, 2 | 1, 3) and (4, 6 | 5, 7)
-  const __m256 c0 = _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x44), _mm256_shuffle_ps(b[0], b[1], 0xee));
-  const __m256 c1 = _mm256_add_ps(_mm256_shuffle_ps(b[2], b[3], 0x44), _mm256_shuffle_ps(b[2], b[3], 0xee));
-  const __m256 dots = _mm256_hadd_ps(c0, c1);  // keys 0 2 4 6 | 1 3 5 7
-  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_permutevar8x32_ps(dots, order), sc));
-}
-
-template <int dv, typename KV>  // head dim / 8, known at compile time so that the vectors stay in registers
-DFLASH_AVX2 void scores_avx2(const __m256* qv, const KV* k, int64_t ks, int64_t j, int64_t lim, float scale,
-                             float* buf) {  // buf[j .. lim) = scores of keys j .. lim - 1
-  const __m256 sc = _mm256_set1_ps(scale);
-  for (; j + 8 <= lim; j += 8) {  // 8 keys at once, their 8-lane sums reduced together by the same tree
-    __m256 a[8];
-    for (int u = 0; u < 8; u++) {
-      const KV* kj = k + (j + u) * ks;
-      a[u] = _mm256_setzero_ps();
-      for (int64_t c = 0; c < dv; c++) a[u] = _mm256_fmadd_ps(qv[c], load8(kj + 8 * c), a[u]);
-    }
-    reduce8_avx2(a, sc, buf + j);
-  }
-  for (; j < lim; j++) {
-    const KV* kj = k + j * ks;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t c = 0; c < dv; c++) acc = _mm256_fmadd_ps(qv[c], load8(kj + 8 * c), acc);
-    buf[j] = tree8_avx2(acc) * scale;
-  }
-}
-
-// softmax weights in place over buf[0 .. n): the max, exps and 8-lane sums; returns z
-DFLASH_AVX2 float softmax_avx2(float* buf, int64_t n) {
-  __m256 mv = _mm256_set1_ps(-INFINITY);
-  int64_t j = 0;
-  float m = -INFINITY;
-  for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(buf + j));
-  {
-    float tmp[8];
-    _mm256_storeu_ps(tmp, mv);
-    for (int i = 0; i < 8; i++) m = std::fmax(m, tmp[i]);  // max is exact: any order
-    for (; j < n; j++) m = std::fmax(m, buf[j]);
-  }
-  const __m256 mb = _mm256_set1_ps(m);
-  __m256 zv = _mm256_setzero_ps();
-  for (j = 0; j + 8 <= n; j += 8) {
-    const __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(buf + j), mb));
-    _mm256_storeu_ps(buf + j, p);
-    zv = _mm256_add_ps(zv, p);
-  }
-  if (j < n) {  // the tail: lanes past n add nothing (exact: + 0)
-    float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t i = j; i < n; i++) tmp[i - j] = buf[i] - m;
-    __m256 p = exp_avx2(_mm256_loadu_ps(tmp));
-    _mm256_storeu_ps(tmp, p);
-    for (int64_t i = j; i < n; i++) buf[i] = tmp[i - j];
-    const __m256 valid = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)(n - j)), _CMP_LT_OQ);
-    zv = _mm256_add_ps(zv, _mm256_and_ps(p, valid));
-  }
-  return tree8_avx2(zv);
-}
-
 // one query's output sums a [8 dv] over keys j .. lim - 1 of its softmax weights p, in key order (fma)
 template <int dv, typename KV>
 DFLASH_AVX2 inline void values_avx2(const float* p, const KV* v, int64_t vs, int64_t j, int64_t lim, float* a) {
@@ -276,6 +210,14 @@ void tile_tasks(const TilePlan<KV>& p, int64_t i0, int64_t i1, const float* qp, 
   }
 }
 
+// On the AVX2 path (attention_split_avx2.cpp) the split takes decode steps and passes of up to this many rows:
+// verify_ab.py DFLASH_SPLIT 0,1 with split_switch.patch, the tiles against the split alternating in one process
+// (docs/bench/cpu-avx2-zen3/split_ab.txt, AMD EPYC Zen 3, 2 threads): after 128 / 300 / 700 keys a decode step
+// 0.980 / 0.938 / 0.956 of the time, 2 rows 0.974 / 0.962 / 0.930, 3 rows 1.020 / 0.947 / 0.985, 4 rows
+// 0.987 / 1.004 / 0.955; 8 and 16 rows, whose tiles hold 4-8 positions and widen each value once for them, took
+// 1.013-1.053 and stay tiles.
+constexpr int64_t SPLIT_ROWS_AVX2 = 4;
+
 // query heads t * h of q [T, H, D] against a cache k, v [Hkv, S, D] of KV (float or float16) into out; query i
 // attends to keys 0 .. start + i (causal), or every query to keys 0 .. start + t - 1 (start may be negative then)
 template <typename KV>
@@ -298,8 +240,10 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
     // and values is read and widened once for all positions (the same bits: decode_split_half).
     // tools/probes/attention_ab.py against the tiles (AMD EPYC Zen 4, 2 threads, 30 caches cycled, 512-4k
     // keys): 2 rows 0.79-0.97x, 4 rows 0.63-0.81x, 8 rows 0.72-0.91x; 16 rows gained nothing and stay tiles.
-    if (causal && tile != nullptr && isa == 2 && start + t >= 512 && t <= 8 &&
-        decode_split_half(qp, kp, ks, khs, vp, vs, vhs, start + 1, t, h, hkv, d, (float)scale, op))
+    // The AVX2 path (attention_split_avx2.cpp) splits the same way up to SPLIT_ROWS_AVX2 rows.
+    if (causal && tile != nullptr && start + t >= 512 && t <= (isa == 2 ? 8 : SPLIT_ROWS_AVX2) &&
+        (isa == 2 ? decode_split_half(qp, kp, ks, khs, vp, vs, vhs, start + 1, t, h, hkv, d, (float)scale, op)
+                  : decode_split_avx2(qp, kp, ks, khs, vp, vs, vhs, start + 1, t, h, hkv, d, (float)scale, op)))
       return;
   }
   if (tile) {
@@ -515,13 +459,13 @@ constexpr int64_t DECODE_SPLIT_KEYS = 128;
 DecodePlan decode_plan(const DecodeCache& c, int64_t start, int64_t h, int64_t threads) {
   DecodePlan p{1, {decode_tasks(h, c.hkv), 0, 0}, 0, nullptr, nullptr};
 #ifdef DFLASH_X86
-  // split by keys as causal_attention does (a float16 cache on the AVX-512 path): from DECODE_SPLIT_KEYS where the
-  // tiles leave a thread waiting, else from 512
+  // split by keys as causal_attention does (a float16 cache; the AVX2 path's in attention_split_avx2.cpp): from
+  // DECODE_SPLIT_KEYS where the tiles leave a thread waiting, else from 512
   const int64_t from = p.tasks[0] % std::max<int64_t>(1, threads) != 0 ? DECODE_SPLIT_KEYS : 512;
   // the calling thread's, kept between calls and only grown: every score and sum a step reads, the layer's earlier
   // steps wrote (as the verify region's scratch), so nothing is zeroed (it was 40 KB a layer after 1,000 keys)
   thread_local std::vector<float> scores, z;
-  if (c.half && attention_isa() == 2 && start + 1 >= from && split_tasks(c.d, start + 1, 1, h, c.hkv, p.tasks, p.stride)) {
+  if (c.half && attention_isa() >= 1 && start + 1 >= from && split_tasks(c.d, start + 1, 1, h, c.hkv, p.tasks, p.stride)) {
     if ((int64_t)scores.size() < h * p.stride) scores.resize(h * p.stride);
     if ((int64_t)z.size() < h) z.resize(h);
     p.steps = 3, p.scores = scores.data(), p.z = z.data();
@@ -554,15 +498,16 @@ RowsPlan rows_plan(const DecodeCache& c, int64_t start, int64_t t, int64_t h, in
   const int64_t d = c.d, hkv = c.hkv, group = h / hkv, hc = std::min<int64_t>(group, 32);
   const int64_t chunks = (group + hc - 1) / hc;
   const int64_t pos = tile_positions(t, std::max<int64_t>(1, 32 / hc), hkv * chunks, threads);
-  int64_t isa = attention_isa();
+  const int64_t best = attention_isa();
+  int64_t isa = best;  // pick_tile lowers it to the AVX2 tiles for small ones on the AVX-512 path
   void* tile = c.half ? (void*)pick_tile<at::Half>(isa, hc, pos, t, start, d) : (void*)pick_tile<float>(isa, hc, pos, t, start, d);
   if (tile == nullptr) return r;  // causal_attention's scalar loop: not here
   r.t = t, r.h = h;
 #ifdef DFLASH_X86
   // causal_attention's split by keys on a float16 cache (there 2-8 positions from 512 keys; here up to 16 from
-  // ROWS_SPLIT_KEYS), its three steps: the region's threads are running already, and the split reads each block of
-  // keys once for all positions
-  if (c.half && isa == 2 && start + t >= ROWS_SPLIT_KEYS && t <= 16 &&
+  // ROWS_SPLIT_KEYS, up to SPLIT_ROWS_AVX2 on the AVX2 path), its three steps: the region's threads are running
+  // already, and the split reads each block of keys once for all positions
+  if (c.half && (isa == 2 || (best == 1 && t <= SPLIT_ROWS_AVX2)) && start + t >= ROWS_SPLIT_KEYS && t <= 16 &&
       split_tasks(d, start + 1, t, h, hkv, r.split, r.sstride)) {
     r.ok = true, r.steps = 3;
     return r;
@@ -578,8 +523,10 @@ RowsPlan rows_plan(const DecodeCache& c, int64_t start, int64_t t, int64_t h, in
 void rows_split_step(const RowsPlan& r, int step, int64_t i0, int64_t i1, const float* q, const DecodeCache& c,
                      int64_t start, double scale, float* scores, float* z, float* out) {
 #ifdef DFLASH_X86
-  split_step_half(step, i0, i1, q, static_cast<const at::Half*>(c.k), c.ks, c.khs, static_cast<const at::Half*>(c.v),
-                  c.vs, c.vhs, start + 1, r.t, r.h, c.hkv, c.d, (float)scale, scores, r.sstride, z, out);
+  (attention_isa() == 2 ? split_step_half : split_step_avx2)(step, i0, i1, q, static_cast<const at::Half*>(c.k), c.ks,
+                                                             c.khs, static_cast<const at::Half*>(c.v), c.vs, c.vhs,
+                                                             start + 1, r.t, r.h, c.hkv, c.d, (float)scale, scores,
+                                                             r.sstride, z, out);
 #else
   (void)r, (void)step, (void)i0, (void)i1, (void)q, (void)c, (void)start, (void)scale, (void)scores, (void)z, (void)out;
 #endif
@@ -603,8 +550,10 @@ void decode_step(const DecodePlan& p, int step, int64_t i0, int64_t i1, const fl
                  int64_t start, int64_t h, double scale, float* out) {
   if (p.steps == 1) return decode_attend(q, c, start, h, scale, i0, i1, out);
 #ifdef DFLASH_X86
-  split_step_half(step, i0, i1, q, static_cast<const at::Half*>(c.k), c.ks, c.khs, static_cast<const at::Half*>(c.v),
-                  c.vs, c.vhs, start + 1, 1, h, c.hkv, c.d, (float)scale, p.scores, p.stride, p.z, out);
+  (attention_isa() == 2 ? split_step_half : split_step_avx2)(step, i0, i1, q, static_cast<const at::Half*>(c.k), c.ks,
+                                                             c.khs, static_cast<const at::Half*>(c.v), c.vs, c.vhs,
+                                                             start + 1, 1, h, c.hkv, c.d, (float)scale, p.scores,
+                                                             p.stride, p.z, out);
 #endif
 }
 

@@ -99,6 +99,72 @@ DFLASH_AVX2 inline void finish_avx2(int count, const float* acc, const float* z,
   }
 }
 
+// 8 keys' 8-lane dot sums a[0..8) -> their scores into dst[0..8): tree8's sums for all 8 at once
+DFLASH_AVX2 inline void reduce8_avx2(const __m256* a, __m256 sc, float* dst) {
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // lanes hold keys 0 2 4 6 1 3 5 7
+  __m256 b[4];  // keys 2i, 2i+1: [l0+l4 .. l3+l7 | l0+l4 .. l3+l7]
+  for (int i = 0; i < 4; i++)
+    b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+  // [(l0+l4)+(l2+l6), (l1+l5)+(l3+l7)] per key, keys (0, 2 | 1, 3) and (4, 6 | 5, 7)
+  const __m256 c0 = _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x44), _mm256_shuffle_ps(b[0], b[1], 0xee));
+  const __m256 c1 = _mm256_add_ps(_mm256_shuffle_ps(b[2], b[3], 0x44), _mm256_shuffle_ps(b[2], b[3], 0xee));
+  const __m256 dots = _mm256_hadd_ps(c0, c1);  // keys 0 2 4 6 | 1 3 5 7
+  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_permutevar8x32_ps(dots, order), sc));
+}
+
+template <int dv, typename KV>  // head dim / 8, known at compile time so that the vectors stay in registers
+DFLASH_AVX2 inline void scores_avx2(const __m256* qv, const KV* k, int64_t ks, int64_t j, int64_t lim, float scale,
+                             float* buf) {  // buf[j .. lim) = scores of keys j .. lim - 1
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (; j + 8 <= lim; j += 8) {  // 8 keys at once, their 8-lane sums reduced together by the same tree
+    __m256 a[8];
+    for (int u = 0; u < 8; u++) {
+      const KV* kj = k + (j + u) * ks;
+      a[u] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < dv; c++) a[u] = _mm256_fmadd_ps(qv[c], load8(kj + 8 * c), a[u]);
+    }
+    reduce8_avx2(a, sc, buf + j);
+  }
+  for (; j < lim; j++) {
+    const KV* kj = k + j * ks;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0; c < dv; c++) acc = _mm256_fmadd_ps(qv[c], load8(kj + 8 * c), acc);
+    buf[j] = tree8_avx2(acc) * scale;
+  }
+}
+
+// softmax weights in place over buf[0 .. n): the max, exps and 8-lane sums; returns z
+DFLASH_AVX2 inline float softmax_avx2(float* buf, int64_t n) {
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  float m = -INFINITY;
+  for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(buf + j));
+  {
+    float tmp[8];
+    _mm256_storeu_ps(tmp, mv);
+    for (int i = 0; i < 8; i++) m = std::fmax(m, tmp[i]);  // max is exact: any order
+    for (; j < n; j++) m = std::fmax(m, buf[j]);
+  }
+  const __m256 mb = _mm256_set1_ps(m);
+  __m256 zv = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(buf + j), mb));
+    _mm256_storeu_ps(buf + j, p);
+    zv = _mm256_add_ps(zv, p);
+  }
+  if (j < n) {  // the tail: lanes past n add nothing (exact: + 0)
+    float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = j; i < n; i++) tmp[i - j] = buf[i] - m;
+    __m256 p = exp_avx2(_mm256_loadu_ps(tmp));
+    _mm256_storeu_ps(tmp, p);
+    for (int64_t i = j; i < n; i++) buf[i] = tmp[i - j];
+    const __m256 valid = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)(n - j)), _CMP_LT_OQ);
+    zv = _mm256_add_ps(zv, _mm256_and_ps(p, valid));
+  }
+  return tree8_avx2(zv);
+}
+
 // keys or values j0 .. j1 of a cache as float32 rows of 8 dv: a float cache as it is, a float16 one widened
 // (exactly) into dst once, so that every query of a tile reads floats instead of converting each element
 // again (the conversion cost as much as the multiply-adds on an AVX2-only CPU, AMD Zen 1)
@@ -135,6 +201,12 @@ bool split_tasks(int64_t d, int64_t n, int64_t t, int64_t h, int64_t hkv, int64_
 void split_step_half(int step, int64_t i0, int64_t i1, const float* q, const at::Half* k, int64_t ks, int64_t khs,
                      const at::Half* v, int64_t vs, int64_t vhs, int64_t n, int64_t t, int64_t h, int64_t hkv,
                      int64_t d, float scale, float* scores, int64_t stride, float* z, float* out);
+// attention_split_avx2.cpp: split_step_half's and decode_split_half's AVX2 twins (the same tasks, the same bits)
+void split_step_avx2(int step, int64_t i0, int64_t i1, const float* q, const at::Half* k, int64_t ks, int64_t khs,
+                     const at::Half* v, int64_t vs, int64_t vhs, int64_t n, int64_t t, int64_t h, int64_t hkv,
+                     int64_t d, float scale, float* scores, int64_t stride, float* z, float* out);
+bool decode_split_avx2(const float* q, const at::Half* k, int64_t ks, int64_t khs, const at::Half* v, int64_t vs,
+                       int64_t vhs, int64_t n, int64_t t, int64_t h, int64_t hkv, int64_t d, float scale, float* out);
 // the attention of t query positions (q [t, H, D]; position p attends to n + p keys) over a float16 cache,
 // split evenly over the threads (scores by keys, output sums by dimensions); false where d has no such path
 bool decode_split_half(const float* q, const at::Half* k, int64_t ks, int64_t khs, const at::Half* v, int64_t vs,
@@ -156,7 +228,7 @@ int64_t decode_tasks(int64_t h, int64_t hkv);
 void decode_attend(const float* q, const DecodeCache& c, int64_t start, int64_t h, double scale, int64_t i0,
                    int64_t i1, float* out);
 // the attention as causal_attention runs it: by kv heads (one step of decode_tasks tasks), or from 512 keys
-// on a float16 cache on the AVX-512 path by keys and dimensions (three steps, a barrier after each), from 128
+// on a float16 cache by keys and dimensions (three steps, a barrier after each), from 128
 // where the kv heads do not share evenly over the `threads` that run its tasks; made by one thread, which owns
 // the scratch it points to
 struct DecodePlan {
@@ -173,8 +245,8 @@ void decode_step(const DecodePlan& p, int step, int64_t i0, int64_t i1, const fl
 // [T, (H + 2 Hkv) D] rotated: q [T, H, D] out, keys and values written at positions start + i), then the
 // attention in steps (a barrier after each): steps 1, rows_attend on each thread's share of the tiles (by kv
 // heads and positions, causal_attention's); steps 3, rows_split_step on each thread's share of split[step] tasks
-// (the split by keys of a float16 cache, up to 16 positions from 128 keys, where causal_attention splits 2-8 from
-// 512: scores [t h, sstride] and z [t h] the caller's). Either way rope_attention's bits. ok is false where
+// (the split by keys of a float16 cache, up to 16 positions from 128 keys (4 on the AVX2 path), where
+// causal_attention splits 2-8 from 512 (2-4): scores [t h, sstride] and z [t h] the caller's). Either way rope_attention's bits. ok is false where
 // causal_attention would run its scalar loop; threads: as causal_attention counts them (only the split of the
 // work depends on it).
 struct RowsPlan {
