@@ -22,7 +22,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-FILES = ("attention.cpp", "attention_avx512.cpp", "attention.h")
+FILES = ("attention.cpp", "attention_avx512.cpp", "attention_split_avx2.cpp", "attention.h")
+OPTIONAL = ("attention_split_avx2.cpp",)  # not in revisions before it
 
 
 def build_old(rev: str):
@@ -39,15 +40,17 @@ def build_old(rev: str):
             srcs[f] = subprocess.check_output(["git", "show", f"{rev}:dflash_torch/kernels/{f}"], cwd=ROOT,
                                               stderr=subprocess.DEVNULL).decode()
         except subprocess.CalledProcessError:
+            if f in OPTIONAL:
+                continue
             raise SystemExit(f"{rev} has no dflash_torch/kernels/{f}") from None
-    tag = hashlib.sha1("".join(srcs[k] for k in FILES).encode()).hexdigest()[:10]
+    tag = hashlib.sha1("".join(srcs[k] for k in FILES if k in srcs).encode()).hexdigest()[:10]
     name = f"dflash_attn_ab_{tag}"
     build = cache_home() / "kernels" / "ab" / name
     build.mkdir(parents=True, exist_ok=True)
     for f, src in srcs.items():
         src = src.replace("TORCH_LIBRARY_FRAGMENT(dflash,", f"TORCH_LIBRARY({name},")
         (build / f).write_text(src.replace("dflash_attention", name))
-    cpp_extension.load(name=name, sources=[str(build / f) for f in FILES if f.endswith(".cpp")],
+    cpp_extension.load(name=name, sources=[str(build / f) for f in FILES if f.endswith(".cpp") and f in srcs],
                        build_directory=str(build), extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                        is_python_module=False, verbose=False)
     return getattr(torch.ops, name).causal_attention
