@@ -169,11 +169,13 @@ def long_context_target(tmp_path, seed: int, fmt: str, act: str = "silu"):
 
 
 @pytest.mark.parametrize("fmt, act", [("q4_0", "silu"), ("q8_0", "gelu_pytorch_tanh"), ("q4_0", "gelu")])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 4])
 @torch.inference_mode()
 def test_decode_region_equals_layer_modules_after_long_contexts(tmp_path, fmt, act, threads):
-    """A decode step of the C++ stack runs in one parallel region (kernels/layers.cpp, decode_region: the
-    matmuls' columns and the attention's kv heads split between the threads, barriers between the steps).
+    """A decode step of the C++ stack runs in one parallel region (kernels/layers.cpp, decode_region: every
+    thread quantizes each matmul's row itself and takes chunks of its columns at once while thread 0 deals the
+    next matmul's, each thread runs the activation on the whole row, the attention's tasks are split between
+    the threads, barriers between the steps; with 4 threads on 2 cores some threads run far behind others).
     Its logits, taps and cache are the layer modules' bit for bit after short and long contexts (from 128
     keys the region splits a step's attention by keys, the layer modules' per-call attention from 512: the
     same bits), with the tapped layers listed out of order and twice, for each activation (the 3-row prefill

@@ -15,6 +15,7 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -72,11 +73,15 @@ using dflash_activation::act_mul;
 using dflash_activation::act_rows;
 using namespace dflash_layers;
 
-// A decode step (one row) through every layer in one parallel region, its steps apart by barriers: the
-// calling thread (the region's thread 0) normalizes and quantizes each matmul's row (mm_quantize: block_mm's
-// own code), rotates q and k and writes the cache (decode_rotate) and runs the activation (act_mul); every
-// thread takes its share of each matmul's output columns (mm_columns) and of the attention's tasks
-// (decode_step: by kv heads, or from 512 keys by keys and dimensions, as causal_attention splits it). The same functions as the per-call path, so the same bits (tests/test_exact.py,
+// A decode step (one row) through every layer in one parallel region, its steps apart by barriers. Every thread
+// normalizes and quantizes each matmul's row into its own scratch (mm_quantize: block_mm's own code; the same
+// bits on every thread) and takes its chunks of the output columns at once (mm_columns), so a matmul costs one
+// barrier, after its columns; thread 0 deals the next matmul's chunks meanwhile (two ColumnShares, used in turn).
+// Thread 0 rotates q and k and writes the cache (decode_rotate); every thread takes its share of the attention's
+// tasks (decode_step: by kv heads, or by keys and dimensions, as causal_attention splits it) and runs the
+// activation on the whole row into its own buffer (act_rows). With thread 0 alone quantizing each row (the others
+// waiting for it at a barrier before every matmul) decode steps took 1.5-6% longer (docs/performance.md, "AVX2
+// only: AMD EPYC (Zen 3)"). The same functions as the per-call path, so the same bits (tests/test_exact.py,
 // tests/test_fast_flat.py). What it saves is a decode step's ~180 forks and joins of the threads, and the tensors,
 // views and dispatch around them. Returns false (nothing done) where it does not apply: biases, a row that
 // is not float32 [1, H], layers shaped differently.
@@ -129,11 +134,12 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
     return false;
   const int64_t layers = keys.size(0), hid = x_in.size(1), d = keys.size(-1);
   const bool half = keys.scalar_type() == at::kHalf;
-  const int64_t fqkv = codes[0] / 8, fgu = codes[2] / 8;
+  const int64_t fqkv = codes[0] / 8, fgu = codes[2] / 8, inter = fgu / 2;
   const int64_t isa = resolve_isa(-1);
   Tensor x = x_in.clone();  // the residual stream [1, H], updated in place by the o and down projections
   float* xp = x.data_ptr<float>();
   Tensor yqkv = at::empty({1, fqkv}, x.options()), ygu = at::empty({1, fgu}, x.options());
+  const Tensor gate = ygu.narrow(1, 0, inter), up = ygu.narrow(1, inter, inter);
   // the rotated query [H, D] and the attention's output [H * D]: the calling thread's, kept between calls, and
   // named by pointer in the region (there, a thread_local name is each thread's own)
   thread_local std::vector<float> qbuf, abuf;
@@ -152,35 +158,56 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
   char* vbase = static_cast<char*>(values.data_ptr());
   const float *cp = cos.data_ptr<float>(), *sp = signed_sin.data_ptr<float>();
   dflash_attention::DecodePlan plan{};  // each layer's attention steps: set by thread 0, read past a barrier
-  thread_local MmScratch scratch;  // (used by thread 0 alone: the others read it through c's pointers)
-  MmCall c;  // the current matmul: set by thread 0, read by all after the barrier that follows
-  ColumnShare share;  // its columns' chunks, reset with it
-  Tensor a;  // the activation's output, alive until the down projection has read it
-  // every thread of the region takes part in every matmul: as many threads as the fewest column units
-  int64_t units = 0;
-  for (int64_t f : {fqkv, hid, fgu}) {
-    const int64_t groups = (f + GROUP - 1) / GROUP, u = isa >= VNNI ? (groups + 1) / 2 : groups;
-    units = units == 0 ? u : std::min(units, u);
+  // matmul s of the step (4 a layer: q/k/v, o, gate/up, down): its shape, and its column units (its call's shape,
+  // by mm_setup without a scratch), so that thread 0 can deal matmul s + 1's chunks while s runs
+  auto shape = [&](int64_t s) -> std::pair<int64_t, int64_t> {  // (outputs, inputs)
+    const int64_t j = s % 4;
+    return {j == 0 ? fqkv : j == 2 ? fgu : hid, j == 3 ? inter : hid};
+  };
+  std::vector<int64_t> units(4 * layers);
+  {
+    MmScratch none;
+    for (int64_t s = 0; s < 4 * layers; s++) {
+      MmCall c;
+      mm_setup(c, none, codes[s] % 8, isa, false, packed[s].data_ptr<uint8_t>(), shape(s).first, shape(s).second,
+               1, nullptr, nullptr, 0.f, nullptr, nullptr, false);
+      units[s] = c.units;
+    }
   }
-  const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  // every thread of the region takes part in every matmul: as many threads as the fewest column units
+  const int threads = (int)std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), *std::min_element(units.begin(), units.begin() + 4)));
+  ColumnShare shares[2];  // matmul s's chunks in shares[s % 2]
+  shares[0].reset(units[0], threads);
+  std::vector<Tensor> a_own;  // each thread's activation row [1, I]
+  for (int th = 0; th < threads; th++) a_own.push_back(at::empty({1, inter}, x.options()));
+  const bool inference = c10::InferenceMode::is_enabled();  // thread-local: the other threads are told
   std::exception_ptr error;
 #pragma omp parallel num_threads(threads)
   {
     const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
-    auto step = [&](auto&& serial) {  // thread 0 alone, then everyone past a barrier
-      if (tid == 0 && !error) {
-        try {
-          serial();
-        } catch (...) {
-          error = std::current_exception();
-        }
+    c10::InferenceMode mode(inference);  // (act_rows' torch operators, on every thread)
+    auto guarded = [&](auto&& f) {
+      if (error) return;
+      try {
+        f();
+      } catch (...) {
+#pragma omp critical
+        error = std::current_exception();
       }
-#pragma omp barrier
     };
-    auto columns = [&]() {  // every thread its share of the current matmul's columns, then a barrier
-      if (!error) {
-        share.run(c, tid);
-      }
+    thread_local MmScratch scratch;  // this thread's quants of the row (in the region, each thread its own)
+    MmCall c;                         // and its copy of the current matmul's call
+    auto matmul = [&](int64_t s, const float* in, const float* norm_w, float* y, const float* res) {
+      guarded([&] {
+        mm_setup(c, scratch, codes[s] % 8, isa, false, packed[s].data_ptr<uint8_t>(), shape(s).first,
+                 shape(s).second, 1, in, norm_w, (float)eps, y, res);
+        mm_quantize(c, 0, 1);
+        // shares[(s + 1) % 2] last served matmul s - 1, which every thread left at its barrier; no thread takes
+        // from it before the barrier below
+        if (tid == 0 && s + 1 < 4 * layers) shares[(s + 1) % 2].reset(units[s + 1], nth);
+        shares[s % 2].run(c, tid);
+      });
 #pragma omp barrier
     };
     size_t next_tap = 0;
@@ -188,46 +215,22 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
       const dflash_attention::DecodeCache cache{kbase + i * keys.stride(0) * esize, vbase + i * values.stride(0) * esize,
                                                 half, hkv, d, keys.stride(2), keys.stride(3), values.stride(2),
                                                 values.stride(3)};
-      step([&] {
-        mm_setup(c, scratch, codes[4 * i] % 8, isa, false, packed[4 * i].data_ptr<uint8_t>(), fqkv, hid, 1, xp,
-                 norms[2 * i].data_ptr<float>(), (float)eps, yqkv.data_ptr<float>(), nullptr);
-        mm_quantize(c, 0, 1);
-        share.reset(c.units, nth);
-      });
-      columns();
-      step([&] {
-        dflash_attention::decode_rotate(yqkv.data_ptr<float>(), cp, sp, qv, cache, pos, h);
-        plan = dflash_attention::decode_plan(cache, pos, h, nth);
-      });
-      for (int s = 0; s < plan.steps; s++) {  // (plan.steps: the same for every thread past the barrier)
-        if (!error) {
-          const auto [t0, t1] = even_share(plan.tasks[s], tid, nth);
-          dflash_attention::decode_step(plan, s, t0, t1, qv, cache, pos, h, scale, av);
-        }
+      matmul(4 * i, xp, norms[2 * i].data_ptr<float>(), yqkv.data_ptr<float>(), nullptr);
+      if (tid == 0)
+        guarded([&] {
+          dflash_attention::decode_rotate(yqkv.data_ptr<float>(), cp, sp, qv, cache, pos, h);
+          plan = dflash_attention::decode_plan(cache, pos, h, nth);
+        });
+#pragma omp barrier
+      for (int st = 0; st < plan.steps; st++) {  // (plan.steps: the same for every thread past the barrier)
+        const auto [t0, t1] = even_share(plan.tasks[st], tid, nth);
+        guarded([&] { dflash_attention::decode_step(plan, st, t0, t1, qv, cache, pos, h, scale, av); });
 #pragma omp barrier
       }
-      step([&] {
-        mm_setup(c, scratch, codes[4 * i + 1] % 8, isa, false, packed[4 * i + 1].data_ptr<uint8_t>(), hid, hid, 1,
-                 av, nullptr, 0.f, xp, xp);
-        mm_quantize(c, 0, 1);
-        share.reset(c.units, nth);
-      });
-      columns();  // x += o(attn), each thread its own columns
-      step([&] {
-        mm_setup(c, scratch, codes[4 * i + 2] % 8, isa, false, packed[4 * i + 2].data_ptr<uint8_t>(), fgu, hid, 1,
-                 xp, norms[2 * i + 1].data_ptr<float>(), (float)eps, ygu.data_ptr<float>(), nullptr);
-        mm_quantize(c, 0, 1);
-        share.reset(c.units, nth);
-      });
-      columns();
-      step([&] {
-        a = act_mul(ygu.narrow(1, 0, fgu / 2), ygu.narrow(1, fgu / 2, fgu / 2), act);  // [1, I], contiguous
-        mm_setup(c, scratch, codes[4 * i + 3] % 8, isa, false, packed[4 * i + 3].data_ptr<uint8_t>(), hid, fgu / 2,
-                 1, a.data_ptr<float>(), nullptr, 0.f, xp, xp);
-        mm_quantize(c, 0, 1);
-        share.reset(c.units, nth);
-      });
-      columns();  // x += down(a)
+      matmul(4 * i + 1, av, nullptr, xp, xp);  // x += o(attn), each thread its own columns
+      matmul(4 * i + 2, xp, norms[2 * i + 1].data_ptr<float>(), ygu.data_ptr<float>(), nullptr);
+      guarded([&] { act_rows(a_own[tid], gate, up, act, 0, 1); });  // each thread the whole row, into its own
+      matmul(4 * i + 3, a_own[tid].data_ptr<float>(), nullptr, xp, xp);  // x += down(a)
       if (next_tap < tap_layers.size() && tap_layers[next_tap] == i) {
         if (tid == 0) std::memcpy(tapped[next_tap].data_ptr<float>(), xp, sizeof(float) * hid);
         next_tap++;  // (every thread counts, so that all take the same branches)
