@@ -224,6 +224,34 @@ def test_without_the_extension_the_reference_serves(tmp_path):
     assert torch.equal(out["s"], want)
 
 
+def test_a_build_cut_short_does_not_hold_up_the_next(tmp_path, monkeypatch, capsys):
+    """A build interrupted by Ctrl-C or a kill leaves torch.utils.cpp_extension's lock file behind, and every
+    later process used to wait for it forever (`dflash serve` answering "loading" for good). The next build
+    takes the kernels' own flock, which the system released with the dead process, removes that file and
+    builds, saying so on stderr; once built from these sources, later processes load it without building."""
+    from torch.utils import cpp_extension
+
+    build = tmp_path / "kernels"
+    build.mkdir()
+    (build / "lock").touch()  # what the interrupted build left
+    seen = []
+
+    def fake_load(**kw):  # what cpp_extension.load leaves: the library (here empty), its lock released
+        seen.append(("built", (build / "lock").exists()))
+        (build / "dflash_blocks.so").write_bytes(b"")
+
+    monkeypatch.setattr(kernels, "_build_dir", lambda: build)
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: seen.append(("loaded", path)))
+    kernels._compile()
+    assert seen == [("built", False)]
+    assert (build / "sources.sha256").read_text().strip() == kernels.fingerprint()
+    assert "building the C++ kernels" in capsys.readouterr().err
+    kernels._compile()
+    assert seen == [("built", False), ("loaded", str(build / "dflash_blocks.so"))]
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("min_rows,vnni256", [("0", "1"), ("9", "1"), ("9", "0")])
 def test_the_row_count_dispatch_keeps_the_bits(tmp_path, min_rows, vnni256):
     """DFLASH_VNNI_MIN_ROWS moves the row count below which a VNNI CPU runs the AVX2 path's layout on 256-bit

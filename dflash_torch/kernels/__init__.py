@@ -13,6 +13,7 @@ ops through torch.ops, so TorchScript can call them too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -55,17 +56,54 @@ def fingerprint() -> str:
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def _build_lock(build: Path):
+    """One process at a time builds into `build`: an flock on a file there, which the system releases when its
+    holder exits however it ends. Yields whether this process holds it (False without flock: Windows).
+    torch.utils.cpp_extension's own lock is a file whose existence is the lock: a build interrupted by Ctrl-C
+    or a kill leaves it behind, and every later process waited for it forever."""
+    try:
+        import fcntl
+    except ImportError:
+        yield False
+        return
+    with open(build / "build.flock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            print(f"dflash: waiting for another process that is building the C++ kernels in {build}", file=sys.stderr)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _compile() -> None:
     build = _build_dir()
     library, stamp = build / "dflash_blocks.so", build / "sources.sha256"
     built_from = fingerprint()
-    if library.is_file() and stamp.is_file() and stamp.read_text().strip() == built_from:
-        # built from these very sources: load it without torch.utils.cpp_extension (and the setuptools it
-        # imports: ~4 MB resident for every run)
-        torch.ops.load_library(str(library))
-        return
+
+    def built() -> bool:  # built from these very sources
+        return library.is_file() and stamp.is_file() and stamp.read_text().strip() == built_from
+
+    if not built():
+        with _build_lock(build) as exclusive:
+            if not built():  # (else another process built it while this one waited)
+                _build(build, stamp, built_from, exclusive)
+                return  # (cpp_extension.load has loaded it)
+    # load it without torch.utils.cpp_extension (and the setuptools it imports: ~4 MB resident for every run)
+    torch.ops.load_library(str(library))
+
+
+def _build(build: Path, stamp: Path, built_from: str, exclusive: bool) -> None:
     from torch.utils import cpp_extension
 
+    baton = build / "lock"  # cpp_extension's lock: with ours held, one that exists was left by a build that died
+    if exclusive and baton.exists():
+        baton.unlink()
+    print(f"dflash: building the C++ kernels into {build} (once per torch and source version; a minute or two)",
+          file=sys.stderr)
     sources = [str(Path(__file__).parent / name) for name in SOURCES]
     cpp_extension.load(name="dflash_blocks", sources=sources, build_directory=str(build), extra_cflags=CFLAGS,
                        extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
