@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <exception>
 #include <optional>
 #include <vector>
 
@@ -72,6 +73,19 @@ using at::Tensor;
 using dflash_activation::act_mul;
 using dflash_activation::act_rows;
 using namespace dflash_layers;
+
+// f() on a thread of a parallel region unless some thread has failed already; the first exception is kept for the
+// calling thread to rethrow after the region (every thread still reaches every barrier)
+template <class F>
+void run_guarded(std::exception_ptr& error, F&& f) {
+  if (error) return;
+  try {
+    f();
+  } catch (...) {
+#pragma omp critical
+    error = std::current_exception();
+  }
+}
 
 // A decode step (one row) through every layer in one parallel region, its steps apart by barriers. Every thread
 // normalizes and quantizes each matmul's row into its own scratch (mm_quantize: block_mm's own code; the same
@@ -187,15 +201,7 @@ bool decode_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_i
   {
     const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
     c10::InferenceMode mode(inference);  // (act_rows' torch operators, on every thread)
-    auto guarded = [&](auto&& f) {
-      if (error) return;
-      try {
-        f();
-      } catch (...) {
-#pragma omp critical
-        error = std::current_exception();
-      }
-    };
+    auto guarded = [&](auto&& f) { run_guarded(error, f); };
     thread_local MmScratch scratch;  // this thread's quants of the row (in the region, each thread its own)
     MmCall c;                         // and its copy of the current matmul's call
     auto matmul = [&](int64_t s, const float* in, const float* norm_w, float* y, const float* res) {
@@ -395,15 +401,7 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
   {
     const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
     c10::InferenceMode mode(inference);
-    auto guarded = [&](auto&& f) {
-      if (error) return;
-      try {
-        f();
-      } catch (...) {
-#pragma omp critical
-        error = std::current_exception();
-      }
-    };
+    auto guarded = [&](auto&& f) { run_guarded(error, f); };
     MmCall c;  // this thread's copy of the current matmul's call
     // one matmul: every thread sets up its copy and quantizes its share of the rows (thread 0 all of them, with
     // fewer rows than threads), a barrier, then everyone's chunks of the columns. Thread 0 resets the chunks: the
