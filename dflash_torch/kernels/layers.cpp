@@ -94,8 +94,8 @@ void run_guarded(std::exception_ptr& error, F&& f) {
 // Thread 0 rotates q and k and writes the cache (decode_rotate); every thread takes its share of the attention's
 // tasks (decode_step: by kv heads, or by keys and dimensions, as causal_attention splits it) and runs the
 // activation on the whole row into its own buffer (act_rows). With thread 0 alone quantizing each row (the others
-// waiting for it at a barrier before every matmul) decode steps took 1.5-6% longer (docs/performance.md, "AVX2
-// only: AMD EPYC (Zen 3)"). The same functions as the per-call path, so the same bits (tests/test_exact.py,
+// waiting for it at a barrier before every matmul) decode steps took 1.5-6% longer on an AMD EPYC Zen 3
+// (docs/performance.md, "AVX2 only: AMD EPYC (Zen 3)"). The same functions as the per-call path, so the same bits (tests/test_exact.py,
 // tests/test_fast_flat.py). What it saves is a decode step's ~180 forks and joins of the threads, and the tensors,
 // views and dispatch around them. Returns false (nothing done) where it does not apply: biases, a row that
 // is not float32 [1, H], layers shaped differently.
