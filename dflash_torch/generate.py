@@ -269,6 +269,10 @@ def load(
         drafter.check_target(config, target.num_layers, target.config.vocab_size)
         registry.warn_if_other_target(drafter, name, config)
         pipe.drafter, pipe.draft_path = drafter, draft_path
+    from .models import hugepages
+
+    # the block weights, target's and drafter's, in huge pages where the kernel gives them (the same bytes)
+    hugepages.move_blocks(target, pipe.drafter)
     loading.release_freed_memory()
     return pipe
 
