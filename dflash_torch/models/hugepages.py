@@ -1,7 +1,7 @@
 """Block weights in transparent huge pages (Linux): the same bytes, fewer page walks.
 
 A decode step reads every packed weight once (92 MiB for the default model), stream after stream of 4 KB pages:
-about 23,500 of them, far more than the TLB holds, so each is a page walk. Copied once after loading into one
+about 23,500 of them, far more than the TLB holds (expected to cost page walks). Copied once after loading into one
 anonymous mapping that is 2 MB aligned and marked MADV_HUGEPAGE, they lie in about 46 pages. Where the kernel
 gives no huge pages (transparent huge pages "never", another OS) nothing is copied. Either way the bytes, and so
 every result, are the same (docs/performance.md, "Block weights in huge pages").
