@@ -3,7 +3,8 @@
 // that every vector path reduces with, and the tiles' interface.
 #pragma once
 
-#include <ATen/ATen.h>
+// c10's Half only (not ATen/ATen.h): the SIMD files build in seconds without torch's full headers.
+#include <c10/util/Half.h>
 
 #include <cmath>
 #include <cstdint>

@@ -26,7 +26,10 @@
 
 #include "blocks.h"
 
+#include <ATen/Parallel.h>
 #include <omp.h>
+#include <torch/library.h>
+#include <torch/types.h>
 
 #include <utility>
 

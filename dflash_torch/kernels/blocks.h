@@ -2,10 +2,8 @@
 // registers, AMX tiles) share: the block formats, the packed record layout and the quantized rows.
 #pragma once
 
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-#include <torch/types.h>
-
+// Plain C++ and intrinsics only: the SIMD files that include this need none of torch's headers, whose
+// parsing took most of each file's build (the op bindings in blocks.cpp include them).
 #include <atomic>
 #include <cmath>
 #include <cstdint>

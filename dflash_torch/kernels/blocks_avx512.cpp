@@ -3,6 +3,8 @@
 
 #include "blocks.h"
 
+#include <c10/util/Exception.h>  // TORCH_CHECK only (light, unlike torch/types.h)
+
 #ifdef DFLASH_X86
 namespace dflash_blocks {
 namespace {
