@@ -16,7 +16,7 @@ from dflash_torch.decoding.speculative import Stats, generate_tokens
 
 from .conftest import make_drafter
 from .test_lossless import clear_case
-from .test_sampling import K, _chi2_pvalue, _exact_joint
+from .test_sampling import SAMPLES, K, _chi2_pvalue, _exact_joint
 
 
 def test_build_keeps_only_confident_contexts():
@@ -119,7 +119,7 @@ def test_datastore_sampling_matches_target_distribution(small_vocab):
     exact = _exact_joint(target, prompt, Sampler(**settings))
     drafter.datastore = Datastore({2: {pack([a, b]): (a + b) % 5 for a in range(5) for b in range(5)}})
     try:
-        n, counts, cycles, kept, drafted = 4000, {}, 0, 0, 0
+        n, counts, cycles, kept, drafted = SAMPLES, {}, 0, 0, 0
         for i in range(n):
             stats = Stats()
             ids = tuple(generate_tokens(target, prompt, max_new_tokens=K, drafter=drafter, block_size=4, lookup=True,

@@ -15,7 +15,7 @@ from dflash_torch.decoding.speculative import Stats, generate_tokens
 
 from .conftest import make_drafter
 from .test_lossless import clear_case
-from .test_sampling import K, _chi2_pvalue, _exact_joint
+from .test_sampling import SAMPLES, K, _chi2_pvalue, _exact_joint
 
 
 def test_match_copies_the_continuation_of_the_longest_ngram():
@@ -158,7 +158,7 @@ def test_lookup_sampling_matches_target_distribution(small_vocab):
     prompt = [1, 3, 0, 2, 1, 3, 0, 2, 1, 3]  # tail "1 3" recurs: lookup proposes from the first token on
     settings = {"temperature": 1.0}
     exact = _exact_joint(target, prompt, Sampler(**settings))
-    n, counts, looked = 4000, {}, 0
+    n, counts, looked = SAMPLES, {}, 0
     kept = drafted = 0
     for i in range(n):
         stats = Stats()

@@ -9,7 +9,7 @@ import torch
 from dflash_torch.decoding.sampling import Sampler
 from dflash_torch.decoding.speculative import Stats, generate_tokens
 
-from .test_sampling import VOCAB, K, _chi2_pvalue, _exact_joint
+from .test_sampling import SAMPLES, VOCAB, K, _chi2_pvalue, _exact_joint
 
 
 class NoRepeat:
@@ -74,7 +74,7 @@ def test_sampling_under_a_grammar_matches_target_distribution(small_vocab, gramm
     """Sampling under a grammar through DFlash (drafter, lookup and, for ZeroThenOne, forced drafts):
     distributed exactly as target-only sampling under it."""
     target, drafter = small_vocab
-    prompt, n = [1, 3, 0, 2], 4000
+    prompt, n = [1, 3, 0, 2], SAMPLES
     exact = _exact_joint(target, prompt, Sampler(1.0), grammar=grammar)
     counts, accepted, forced = {}, 0, 0
     for i in range(n):
