@@ -3,7 +3,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip --disable-pip-version-check -q
+# --no-compile: pip byte-compiles every file it installs (most never imported), which took more time than the
+# download; Python compiles and caches what it imports on first use
+PIP := $(PY) -m pip --disable-pip-version-check -q --no-compile
 HOST ?= 127.0.0.1
 PORT ?= 8000
 TEST_WORKERS ?= 2
