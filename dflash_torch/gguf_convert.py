@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import gguf_families, loading
+from .gguf_reader import open_gguf
 from .loading import ModelError
 
 # GGUF architecture -> (HF model_type, HF class): the engine's families (models/) whose GGUF layout both
@@ -266,7 +267,7 @@ def original_matrices(path: Path):
         return lambda name: None
     import gguf
 
-    reader = gguf.GGUFReader(str(gguf_file))
+    reader = open_gguf(gguf_file)
     names = hf_names(reader, config)
     tensors: dict[str, list] = {}  # (an expert gate/up stack: two tensors, gate first)
     for t in reader.tensors:
@@ -404,9 +405,7 @@ def convert_gguf(path: Path) -> Path:
         if ("head" not in config.get("gguf_weight_types", {}) or "gguf_group_types" not in config
                 or not (out / blocks_file).is_file()):
             # converted by an earlier version: add what --quantize auto, stored_blocks and weight_report read
-            import gguf
-
-            reader = gguf.GGUFReader(str(path))
+            reader = open_gguf(path)
             names = hf_names(reader, config)
             config["gguf_weight_types"] = gguf_weight_types(reader)
             config["gguf_group_types"] = gguf_group_types(reader, names, config)
@@ -416,10 +415,9 @@ def convert_gguf(path: Path) -> Path:
             (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _drop_float_copies(out)
         return out
-    import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = open_gguf(path)
     except Exception as e:  # not a GGUF file, truncated, a newer version of the format
         raise ModelError(f"{path.name}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     config = _config(reader, path)  # (raises for an unsupported architecture before anything is written)

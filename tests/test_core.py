@@ -365,12 +365,11 @@ def test_default_model_generates_text(tmp_path, monkeypatch, capsys):
     assert auto.target.model.layers[0].mlp.down_proj.fmt == "q4_1"
     # the layers hold the file's own bytes (kept at conversion in blocks.safetensors, q/k rows in HF's
     # order), and quantizing their dequantized weights again gives back exactly those bytes
-    import gguf
-
+    from dflash_torch.gguf_reader import open_gguf
     from dflash_torch.kernels import pack
     from dflash_torch.loading import default_gguf
 
-    stored = {t.name: t.data for t in gguf.GGUFReader(str(default_gguf())).tensors}
+    stored = {t.name: t.data for t in open_gguf(default_gguf()).tensors}
     layer = auto.target.model.layers[0]
     assert torch.equal(layer.mlp.down_proj.raw(), torch.from_numpy(stored["blk.0.ffn_down.weight"].copy()))
     assert torch.equal(auto.target.lm_head.raw(), torch.from_numpy(stored["token_embd.weight"].copy()))

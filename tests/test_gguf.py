@@ -66,9 +66,9 @@ def block_quantize(a: np.ndarray, kind: str) -> np.ndarray:
 def _tokenizer_fields() -> tuple:
     """A small byte-level BPE tokenizer: the first VOCAB tokens of the default model's, the merges among them,
     its chat template (read once: the default file's 49,152 tokens take a while)."""
-    import gguf
+    from dflash_torch.gguf_reader import open_gguf
 
-    reader = gguf.GGUFReader(str(loading.default_gguf()))
+    reader = open_gguf(loading.default_gguf())
 
     def field(name):
         return reader.fields[name].contents()
@@ -558,3 +558,30 @@ def test_gguf_family_q4_k(arch, tmp_path, monkeypatch, capsys):
     path = tmp_path / f"tiny-{arch}.Q4_K.gguf"
     write_gguf(arch, "Q4_K", path)
     check_q4_k(path, lambda: _hf_gguf(path), capsys)
+
+
+def test_open_gguf_reads_what_gguf_reads():
+    """`open_gguf` (gguf's reader on a plain view of the mapping) gives gguf's own reader's fields and tensors:
+    every value, every tensor's name, type, shape and bytes; a reader it cannot speed up is used as it is."""
+    import gguf
+
+    from dflash_torch.gguf_reader import _fast_reader, open_gguf
+
+    path = loading.default_gguf()
+    stock, fast = gguf.GGUFReader(str(path)), open_gguf(path)
+    assert type(fast) is not gguf.GGUFReader  # (else this compares the reader with itself)
+    assert list(fast.fields) == list(stock.fields)
+    for name, field in stock.fields.items():
+        assert fast.fields[name].contents() == field.contents(), name
+        assert fast.fields[name].types == field.types and fast.fields[name].offset == field.offset, name
+    assert len(fast.tensors) == len(stock.tensors) > 0
+    for a, b in zip(fast.tensors, stock.tensors):
+        assert (a.name, a.tensor_type, list(a.shape), a.data_offset) == (b.name, b.tensor_type, list(b.shape),
+                                                                          b.data_offset)
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data)
+
+    class Other(gguf.GGUFReader):  # a reader whose reads take other arguments
+        def _get(self, offset, dtype, count=1, override_order=None, extra=None):
+            return super()._get(offset, dtype, count, override_order)
+
+    assert _fast_reader(Other) is Other

@@ -141,8 +141,9 @@ def test_default_gguf_blocks_survive_requantization():
     import gguf
 
     from dflash_torch import loading
+    from dflash_torch.gguf_reader import open_gguf
 
-    reader = gguf.GGUFReader(str(loading.default_gguf()))
+    reader = open_gguf(loading.default_gguf())
     seen: dict[str, int] = {}
     for t in reader.tensors:
         name = t.tensor_type.name
