@@ -1,7 +1,7 @@
 """Opening a GGUF file: gguf's own reader, with its small reads made cheaper.
 
 `gguf.GGUFReader` reads every metadata value, and every string of the vocabulary and merges arrays, as a
-slice of a numpy memmap (about 990,000 slices for a 49k-token vocabulary). Slicing a memmap goes through its
+slice of a numpy memmap (about 250,000 slices for a 49k-token vocabulary). Slicing a memmap goes through its
 Python-level `__array_finalize__`, and each read also builds an empty array to learn the item size: opening
 SmolLM2-135M's file took 5.0 s here, of which the tensors are a small part. `open_gguf` runs the same reads
 on a plain ndarray view of the same mapping: 1.6 s, with the same fields and the same tensor bytes
