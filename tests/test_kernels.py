@@ -253,14 +253,14 @@ def test_a_build_cut_short_does_not_hold_up_the_next(tmp_path, monkeypatch, caps
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("min_rows,vnni256", [("0", "1"), ("9", "1"), ("9", "0")])
+@pytest.mark.parametrize("min_rows,vnni256", [("0", "1"), ("9", "1"), ("9", "0"), ("17", "1")])
 def test_the_row_count_dispatch_keeps_the_bits(tmp_path, min_rows, vnni256):
     """DFLASH_VNNI_MIN_ROWS moves the row count below which a VNNI CPU runs the AVX2 path's layout on 256-bit
     dpbusd (AMD Zen 4 by default), DFLASH_VNNI256=0 runs those rows on AVX2's maddubs instead: 0 keeps the
-    512-bit path everywhere, 9 sends 1-8 rows to the narrow path. Every row count gives the reference's bits
-    (on CPUs without VNNI the variables change nothing)."""
+    512-bit path everywhere, 9 sends 1-8 rows to the narrow path, 17 (Zen 4's default) 1-16 rows, past its 8 rows
+    in registers. Every row count gives the reference's bits (on CPUs without VNNI the variables change nothing)."""
     gen = torch.Generator().manual_seed(8)
-    x = torch.randn(10, 96, generator=gen)
+    x = torch.randn(17, 96, generator=gen)
     ws = {fmt: pack.pack(pack.quantize(torch.randn(40, 96, generator=gen), fmt), fmt) for fmt in pack.FORMATS}
     torch.save({"x": x, "ws": ws}, tmp_path / "in.pt")
     code = (
@@ -270,7 +270,7 @@ def test_the_row_count_dispatch_keeps_the_bits(tmp_path, min_rows, vnni256):
         "kernels.ensure()\n"
         "d = torch.load(sys.argv[1])\n"
         "out = {(f, m): torch.ops.dflash.block_mm(d['x'][:m], w, pack.FORMATS.index(f), 40, -1)\n"
-        "       for f, w in d['ws'].items() for m in range(1, 11)}\n"
+        "       for f, w in d['ws'].items() for m in range(1, 18)}\n"
         "torch.save(out, sys.argv[2])\n"
     )
     env = dict(os.environ, DFLASH_VNNI_MIN_ROWS=min_rows, DFLASH_VNNI256=vnni256)
