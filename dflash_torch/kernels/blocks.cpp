@@ -199,11 +199,11 @@ int64_t avx2_tile_rows() {
 // decode step's matmuls about a quarter slower than the AVX2 path's, while VNNI's dpbusd takes fewer
 // instructions per row than AVX2's maddubs chains. So below vnni_min_rows() rows such a CPU runs the AVX2
 // path's layout with 256-bit dpbusd (rows_vnni256 in blocks_avx512.cpp): a decode step as fast as the AVX2
-// path's, and 2-5 rows cheaper than either path. Verify passes of up to 16 rows take it too: in the whole model
-// 6-8 rows cost 20-35% less on it than on the 512-bit path, 12 rows about 8% less and 16 the same (weights from
-// memory; isolated matmuls from cache favour the 512-bit path for the 1536-input down projection and the Q4 LM
-// head); prefills keep the 512-bit path (docs/performance.md, "Few rows on 256-bit VNNI (AMD Zen 4)"). Every path
-// gives the same bits, so only speed changes. DFLASH_VNNI_MIN_ROWS=N overrides the row count (0: the 512-bit path at every row count), and
+// path's, and 2-5 rows cheaper than either path. Verify passes of up to 16 rows take it too: the whole model's
+// passes of 6-8 rows took 0.59-0.82x their time on the 512-bit path, 12 rows 0.80-0.93x, 16 rows 0.86-1.05x
+// (weights from memory; isolated matmuls with their weights in cache favour the 512-bit path for the 1536-input
+// down projection and the Q4 LM head); prefills keep the 512-bit path (docs/performance.md, "Few rows on 256-bit
+// VNNI (AMD Zen 4)"). Every path gives the same bits, so only speed changes. DFLASH_VNNI_MIN_ROWS=N overrides the row count (0: the 512-bit path at every row count), and
 // DFLASH_VNNI256=0 runs those rows on the AVX2 path's maddubs instead, both for measuring.
 bool zen4() {
 #ifdef DFLASH_X86
