@@ -203,8 +203,9 @@ int64_t avx2_tile_rows() {
 // passes of 6-8 rows took 0.59-0.82x their time on the 512-bit path, 12 rows 0.80-0.93x, 16 rows 0.86-1.05x
 // (weights from memory; isolated matmuls with their weights in cache favour the 512-bit path for the 1536-input
 // down projection and the Q4 LM head); prefills keep the 512-bit path (docs/performance.md, "Few rows on 256-bit
-// VNNI (AMD Zen 4)"). Every path gives the same bits, so only speed changes. DFLASH_VNNI_MIN_ROWS=N overrides the row count (0: the 512-bit path at every row count), and
-// DFLASH_VNNI256=0 runs those rows on the AVX2 path's maddubs instead, both for measuring.
+// VNNI (AMD Zen 4)"). Every path gives the same bits, so only speed changes. DFLASH_VNNI_MIN_ROWS=N overrides the
+// row count (0: the 512-bit path at every row count), and DFLASH_VNNI256=0 runs those rows on the AVX2 path's
+// maddubs instead, both for measuring.
 bool zen4() {
 #ifdef DFLASH_X86
   unsigned a, b, c, d;
