@@ -320,15 +320,17 @@ void mm_setup(MmCall& c, MmScratch& scratch, int64_t fmt, int64_t isa, bool aske
   fit(scratch.s, m * nb);
   const bool unsigned_q8 = fmt == Q8_0 && isa == VNNI;
   if (unsigned_q8) fit(scratch.u, m * k);
-  // the VNNI sums start at -8 * s: no shift, no subtract (the 512-bit path and the 256-bit rows alike)
-  const bool start_q4_0 = fmt == Q4_0 && (isa == VNNI || (narrow && vnni256()));
-  if (start_q4_0) fit(scratch.s8, m * nb);
+  // the VNNI sums start at -8 * s: no shift, no subtract (the 512-bit path and the 256-bit rows alike); the
+  // 256-bit rows' Q8_0 sums start at -128 * s (their weights go in as w + 128, unsigned)
+  const bool narrow256 = narrow && vnni256();
+  const bool start = (fmt == Q4_0 && (isa == VNNI || narrow256)) || (fmt == Q8_0 && narrow256);
+  if (start) fit(scratch.s8, m * nb);
   const int64_t groups = (n + GROUP - 1) / GROUP;
   const bool wide = amx || isa == VNNI;
-  c = MmCall{fmt, isa, amx, wide, narrow && vnni256(), m, n, k, nb, groups, nb * group_bytes(fmt), wide ? (groups + 1) / 2 : groups,
-             wp, x, norm_w, eps, y, res,
+  c = MmCall{fmt, isa, amx, wide, narrow256, narrow256 && m >= BM_MIN_ROWS, m, n, k, nb, groups, nb * group_bytes(fmt),
+             wide ? (groups + 1) / 2 : groups, wp, x, norm_w, eps, y, res,
              scratch.q.data(), scratch.d.data(), scratch.ds.data(), scratch.s.data(),
-             start_q4_0 ? scratch.s8.data() : nullptr, unsigned_q8 ? scratch.u.data() : nullptr};
+             start ? scratch.s8.data() : nullptr, unsigned_q8 ? scratch.u.data() : nullptr};
 }
 
 // rows [r0, r1) of x (normalized first where the call has a norm weight): quants, scales, sums, Q4_1's d * sum
@@ -343,6 +345,21 @@ void mm_quantize(const MmCall& c, int64_t r0, int64_t r1) {
       row = normed.data();
     }
 #ifdef DFLASH_X86
+    if (c.block_major) {  // (Rows, block_at): the row's blocks scattered to their places
+      thread_local std::vector<int8_t> qr;
+      thread_local std::vector<float> dr;
+      thread_local std::vector<int32_t> sr;
+      qr.resize(k), dr.resize(nb), sr.resize(nb);
+      quantize_row_avx2(row, k, qr.data(), dr.data(), sr.data());
+      for (int64_t b = 0; b < nb; b++) {
+        const int64_t i = block_at(b, r, c.m, nb);
+        std::memcpy(c.q + i * QK, qr.data() + b * QK, QK);
+        c.d[i] = dr[b], c.s[i] = sr[b];
+        c.ds[i] = dr[b] * (float)sr[b];  // rounded once, as below
+        if (c.s8 != nullptr) c.s8[i] = (c.fmt == Q8_0 ? -128 : -8) * sr[b];
+      }
+      continue;
+    }
     if (c.isa >= AVX2)
       quantize_row_avx2(row, k, c.q + r * k, c.d + r * nb, c.s + r * nb);
     else
@@ -350,7 +367,7 @@ void mm_quantize(const MmCall& c, int64_t r0, int64_t r1) {
       quantize_row_scalar(row, k, c.q + r * k, c.d + r * nb, c.s + r * nb);
     for (int64_t i = r * nb; i < (r + 1) * nb; i++) c.ds[i] = c.d[i] * (float)c.s[i];  // rounded once
     if (c.s8 != nullptr)
-      for (int64_t i = r * nb; i < (r + 1) * nb; i++) c.s8[i] = -8 * c.s[i];
+      for (int64_t i = r * nb; i < (r + 1) * nb; i++) c.s8[i] = (c.fmt == Q8_0 ? -128 : -8) * c.s[i];
     if (c.u != nullptr)
       for (int64_t i = r * k; i < (r + 1) * k; i++) c.u[i] = (uint8_t)c.q[i] ^ 0x80;
   }
@@ -401,7 +418,7 @@ void ColumnShare::run(const MmCall& c, int64_t tid) {
 // output column units [u0, u1) (tiles of 16 columns: AMX tiles or pairs of VNNI column groups; else groups of 8)
 void mm_columns(const MmCall& c, int64_t u0, int64_t u1) {
   if (u0 >= u1) return;
-  const Rows rows{c.q, c.d, c.s, c.ds, c.s8, c.u, c.k, c.nb};
+  const Rows rows{c.q, c.d, c.s, c.ds, c.s8, c.u, c.k, c.nb, c.m};
   const int64_t fmt = c.fmt, m = c.m, n = c.n, nb = c.nb;
   if (c.wide) {
 #ifdef DFLASH_X86
@@ -493,7 +510,7 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
   {
     const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
     if (!before) {
-      const auto [r0, r1] = even_share(m, tid, nth);
+      const auto [r0, r1] = quantize_share(c, tid, nth);
       mm_quantize(c, r0, r1);
 #pragma omp barrier
     }

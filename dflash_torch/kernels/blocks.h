@@ -4,6 +4,7 @@
 
 // Plain C++ and intrinsics only: the SIMD files that include this need none of torch's headers, whose
 // parsing took most of each file's build (the op bindings in blocks.cpp include them).
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -44,10 +45,28 @@ struct Rows {  // quantized activations of the rows of one call
   const float* d;    // [rows, nb]
   const int32_t* s;  // [rows, nb]
   const float* ds;   // [rows, nb]: d * float(s), Q4_1's minimum term
-  const int32_t* s8; // [rows, nb]: -8 * s, Q4_0's correction, where a 512-bit VNNI sum starts (else null)
+  const int32_t* s8; // [rows, nb]: where a VNNI sum starts (else null): Q4_0's correction -8 * s, and on the
+                     // 256-bit rows Q8_0's -128 * s (its weights taken as w + 128)
   const uint8_t* u;  // [rows, K]: q + 128 as unsigned bytes (the 512-bit VNNI path's Q8_0 operand), or null
   int64_t k, nb;
+  int64_t m;  // the call's rows; on the 256-bit VNNI rows the arrays above are block-major (block_at)
 };
+
+// From BM_MIN_ROWS rows the 256-bit VNNI rows (rows_vnni256) read the activations block-major in tiles of 8 rows,
+// the rows they run together: tile r / 8 holds its rows' blocks in block order, block b's rows side by side (q: 32 bytes a row;
+// d, s, ds, s8: one value a row), so a kernel reaches a block's rows from one pointer with constant offsets, and
+// the next block a constant stride on. Row-major ([r * K + b * QK], [r * nb + b]), each row's own pointer, left
+// fewer registers than 8 rows need: the addresses were spilled to the stack and reloaded every block. A tile is
+// written by the threads that quantize its rows, and a 16-row pass's two tiles by one thread each (the rows'
+// even share). Fewer rows stay row-major: their few pointers fit the registers, and writing 2-4 rows into shared
+// tiles cost the threads more than it saved (tools/kernel_ab.py: qkv and o 1.08-1.29x at 2 and 4 rows, weights
+// from memory). Every other path reads row-major.
+constexpr int64_t BM_TILE = 8, BM_MIN_ROWS = 5;
+static_assert(TILE_ROWS % BM_TILE == 0, "the narrow path's row tiles start on block-major tiles");
+inline int64_t block_at(int64_t b, int64_t r, int64_t m, int64_t nb) {  // index of row r's block b
+  const int64_t t0 = r / BM_TILE * BM_TILE;  // the tile's first row
+  return t0 * nb + b * std::min(BM_TILE, m - t0) + (r - t0);
+}
 
 // rows [r0, r0 + rows), columns [c0, c0 + cols) of y [., n] from a tile's sums acc [rows, stride]; with res,
 // each output is res + sum (as `r + y` would be)
@@ -170,6 +189,7 @@ struct MmScratch {  // the activations' quants and scales, reused across calls
 struct MmCall {
   int64_t fmt, isa;
   bool amx, wide, narrow;  // narrow: a few rows of a VNNI CPU on 256-bit registers (rows_vnni256)
+  bool block_major;        // the activations block-major (block_at): the 256-bit rows, from BM_MIN_ROWS rows
   int64_t m, n, k, nb, groups, gstride, units;
   const uint8_t* wp;
   const float* x;       // [m, k] float32
@@ -196,6 +216,15 @@ int64_t resolve_isa(int64_t isa);  // -1: the best this CPU has
 inline std::pair<int64_t, int64_t> even_share(int64_t total, int64_t tid, int64_t nth) {  // [begin, end) of tid
   const int64_t per = (total + nth - 1) / nth, begin = std::min(total, tid * per);
   return {begin, std::min(total, begin + per)};
+}
+
+// the rows [begin, end) thread tid quantizes: its even share, or on block-major activations its even share of
+// whole tiles, so that no two threads write one tile (a tile's scales share cache lines: with a tile's rows
+// split between the threads the down projection's 5-8 rows took 1.05-1.14x longer, tools/kernel_ab.py)
+inline std::pair<int64_t, int64_t> quantize_share(const MmCall& c, int64_t tid, int64_t nth) {
+  if (!c.block_major) return even_share(c.m, tid, nth);
+  const auto [t0, t1] = even_share((c.m + BM_TILE - 1) / BM_TILE, tid, nth);
+  return {std::min(c.m, t0 * BM_TILE), std::min(c.m, t1 * BM_TILE)};
 }
 
 // A matmul's columns shared out as the threads go: each thread takes chunks of its even share from the front, in

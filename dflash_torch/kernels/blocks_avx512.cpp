@@ -93,9 +93,22 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
 // ---- VNNI on 256-bit registers: the AVX2 path's layout, its 8 columns a vector and its float step, with
 // the block sums by dpbusd instead of maddubs chains. For a few rows on a CPU that runs 512-bit
 // instructions as two halves (AMD Zen 4, `vnni_min_rows` in blocks.cpp): one weight stream and the
-// AVX2 path's per-block work, fewer instructions per row. Q8_0 keeps the AVX2 path's sign trick
-// (|w| unsigned times sign(w) * x), so the sums are the same exact integers as every other path's.
-template <int64_t fmt, int R>
+// AVX2 path's per-block work, fewer instructions per row. dpbusd multiplies unsigned by signed bytes; the
+// activations are the signed operand (broadcast from memory), so Q8_0's weights go in as w + 128 and the sum
+// starts at -128 * s, as Q4_0's nibbles go in unsigned and its sum starts at -8 * s: the same exact integers
+// as every other path's. From BM_MIN_ROWS rows the activations are block-major (BM; blocks.h, block_at): block b
+// of the R rows from one pointer; fewer rows read them row-major, a pointer a row.
+
+// acc + w (unsigned bytes) . broadcast(*x) (signed bytes) by 4-byte groups, the broadcast folded into the
+// instruction's memory operand (GCC 12 emits a separate vpbroadcastd for the intrinsic: one instruction more per
+// row, chunk and block, in a loop whose time is its instruction count)
+__attribute__((target("avx2,avx512f,avx512vl,avx512vnni"), always_inline)) inline __m256i dpbusd_bcast(
+    __m256i acc, __m256i w, const int32_t* x) {
+  __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
+template <int64_t fmt, int R, bool BM>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) void vnni256_rows(
     const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, float* out) {
   const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
@@ -107,24 +120,27 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
     const uint8_t* rec = w + b * gb;
     prefetch_ahead(rec, gb);
     const uint8_t* qs = rec + qoff;
+    // BM: rows r0.. are one tile of R rows (rows_vnni256_t), row r0 + r's block b at index r0 * nb + b * R + r
+    const int64_t t0 = r0 / BM_TILE * BM_TILE, tile = t0 * x.nb + b * std::min(BM_TILE, x.m - t0) + (r0 - t0);
+    auto at = [&](int r) { return BM ? tile + r : (r0 + r) * x.nb + b; };  // row r0 + r's scales' index
+    auto x4 = [&](int r) { return (const int32_t*)(x.q + (BM ? (tile + r) * QK : (r0 + r) * x.k + b * QK)); };
     // two chains of exact integer sums per row (one chain's latency shows); Q4_0's first starts at -8 * s, as
     // on the 512-bit path: the same integer, without a shift and a subtract per row and block
     __m256i e[R], o[R];
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
-      e[r] = fmt == Q4_0 ? _mm256_set1_epi32(x.s8[(r0 + r) * x.nb + b]) : _mm256_setzero_si256();
+      e[r] = fmt != Q4_1 ? _mm256_set1_epi32(x.s8[at(r)]) : _mm256_setzero_si256();
       o[r] = _mm256_setzero_si256();
     }
     if (fmt == Q8_0) {
+      const __m256i flip = _mm256_set1_epi8((char)0x80);
       #pragma GCC unroll 8
       for (int j = 0; j < 8; j++) {
-        const __m256i wj = _mm256_loadu_si256((const __m256i*)(qs + 32 * j)), aw = _mm256_abs_epi8(wj);
+        const __m256i wj = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(qs + 32 * j)), flip);  // w + 128
         #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-          const int32_t* x4 = (const int32_t*)(x.q + (r0 + r) * x.k + b * QK);
-          const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), wj);
-          if (j % 2 == 0) e[r] = _mm256_dpbusd_epi32(e[r], aw, xv);
-          else o[r] = _mm256_dpbusd_epi32(o[r], aw, xv);
+          if (j % 2 == 0) e[r] = dpbusd_bcast(e[r], wj, x4(r) + j);
+          else o[r] = dpbusd_bcast(o[r], wj, x4(r) + j);
         }
       }
     } else {
@@ -134,9 +150,8 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-          const int32_t* x4 = (const int32_t*)(x.q + (r0 + r) * x.k + b * QK);
-          e[r] = _mm256_dpbusd_epi32(e[r], lo, _mm256_set1_epi32(x4[j]));
-          o[r] = _mm256_dpbusd_epi32(o[r], hi, _mm256_set1_epi32(x4[j + 4]));
+          e[r] = dpbusd_bcast(e[r], lo, x4(r) + j);
+          o[r] = dpbusd_bcast(o[r], hi, x4(r) + j + 4);
         }
       }
     }
@@ -144,7 +159,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
     const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16))) : _mm256_setzero_ps();
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++)  // the AVX2 path's float step
-      acc[r] = float_step8<fmt, true>(acc[r], _mm256_add_epi32(e[r], o[r]), dw, mw, x, (r0 + r) * x.nb + b);
+      acc[r] = float_step8<fmt, true>(acc[r], _mm256_add_epi32(e[r], o[r]), dw, mw, x, at(r));
   }
   #pragma GCC unroll 16
   for (int r = 0; r < R; r++) _mm256_storeu_ps(out + GROUP * r, acc[r]);
@@ -152,11 +167,23 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
 
 template <int64_t fmt>
 void rows_vnni256_t(const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
-  for (int64_t r = r0; r < r1; r += 8) {  // acc [r1 - r0, GROUP]; 8 rows' sums and a block's weights fit 32 ymm
+  // acc [r1 - r0, GROUP]; a tile of 8 rows' sums and a block's weights fit 32 ymm (r0: a multiple of the tile's
+  // rows, r1: r0's tile's end or m, so each call below runs one whole tile)
+  if (x.m < BM_MIN_ROWS) {  // row-major: one call of the rows (fewer than a tile)
+    switch (r1 - r0) {
+#define DFLASH_V256_CASE(R) \
+  case R: vnni256_rows<fmt, R, false>(w, nb, x, r0, acc); break;
+      DFLASH_V256_CASE(1) DFLASH_V256_CASE(2) DFLASH_V256_CASE(3) DFLASH_V256_CASE(4)
+#undef DFLASH_V256_CASE
+      default: break;
+    }
+    return;
+  }
+  for (int64_t r = r0; r < r1; r += 8) {
     float* out = acc + (r - r0) * GROUP;
     switch (std::min<int64_t>(8, r1 - r)) {
 #define DFLASH_V256_CASE(R) \
-  case R: vnni256_rows<fmt, R>(w, nb, x, r, out); break;
+  case R: vnni256_rows<fmt, R, true>(w, nb, x, r, out); break;
       DFLASH_V256_CASE(1) DFLASH_V256_CASE(2) DFLASH_V256_CASE(3) DFLASH_V256_CASE(4)
       DFLASH_V256_CASE(5) DFLASH_V256_CASE(6) DFLASH_V256_CASE(7) DFLASH_V256_CASE(8)
 #undef DFLASH_V256_CASE
