@@ -58,9 +58,8 @@ struct Rows {  // quantized activations of the rows of one call
 // the next block a constant stride on. Row-major ([r * K + b * QK], [r * nb + b]), each row's own pointer, left
 // fewer registers than 8 rows need: the addresses were spilled to the stack and reloaded every block. A tile is
 // written by the threads that quantize its rows, and a 16-row pass's two tiles by one thread each (the rows'
-// even share). Fewer rows stay row-major: their few pointers fit the registers, and writing 2-4 rows into shared
-// tiles cost the threads more than it saved (tools/kernel_ab.py: qkv and o 1.08-1.29x at 2 and 4 rows, weights
-// from memory). Every other path reads row-major.
+// even share). Fewer rows stay row-major: their few pointers fit the registers, and 2-4 rows in a shared tile ran
+// the small matrices slower (tools/kernel_ab.py, weights from memory). Every other path reads row-major.
 constexpr int64_t BM_TILE = 8, BM_MIN_ROWS = 5;
 static_assert(TILE_ROWS % BM_TILE == 0, "the narrow path's row tiles start on block-major tiles");
 inline int64_t block_at(int64_t b, int64_t r, int64_t m, int64_t nb) {  // index of row r's block b
@@ -219,8 +218,8 @@ inline std::pair<int64_t, int64_t> even_share(int64_t total, int64_t tid, int64_
 }
 
 // the rows [begin, end) thread tid quantizes: its even share, or on block-major activations its even share of
-// whole tiles, so that no two threads write one tile (a tile's scales share cache lines: with a tile's rows
-// split between the threads the down projection's 5-8 rows took 1.05-1.14x longer, tools/kernel_ab.py)
+// whole tiles, so that no two threads write one tile (a tile's scales share cache lines; with a tile's rows split
+// between the threads the down projection ran slower at 5-8 rows, tools/kernel_ab.py)
 inline std::pair<int64_t, int64_t> quantize_share(const MmCall& c, int64_t tid, int64_t nth) {
   if (!c.block_major) return even_share(c.m, tid, nth);
   const auto [t0, t1] = even_share((c.m + BM_TILE - 1) / BM_TILE, tid, nth);
