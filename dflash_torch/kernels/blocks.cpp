@@ -333,11 +333,14 @@ void mm_setup(MmCall& c, MmScratch& scratch, int64_t fmt, int64_t isa, bool aske
              start ? scratch.s8.data() : nullptr, unsigned_q8 ? scratch.u.data() : nullptr};
 }
 
-// rows [r0, r1) of x (normalized first where the call has a norm weight): quants, scales, sums, Q4_1's d * sum
-void mm_quantize(const MmCall& c, int64_t r0, int64_t r1) {
+// rows [r0, r1) of x (normalized first where the call has a norm weight): quants, scales, sums, Q4_1's d * sum;
+// on block-major activations only blocks [b0, b1) of them (b1 < 0: all; each block is quantized on its own)
+void mm_quantize(const MmCall& c, int64_t r0, int64_t r1, int64_t b0, int64_t b1) {
   thread_local std::vector<float> normed;  // the row normalized (block_mm_norm)
   if (c.norm_w != nullptr) normed.resize(c.k);
   const int64_t k = c.k, nb = c.nb;
+  if (b1 < 0) b1 = nb;
+  if (b0 >= b1) return;  // (a share of the blocks is given on block-major rows only: quantize_share)
   for (int64_t r = r0; r < r1; r++) {
     const float* row = c.x + r * k;
     if (c.norm_w != nullptr) {
@@ -350,13 +353,13 @@ void mm_quantize(const MmCall& c, int64_t r0, int64_t r1) {
       thread_local std::vector<float> dr;
       thread_local std::vector<int32_t> sr;
       qr.resize(k), dr.resize(nb), sr.resize(nb);
-      quantize_row_avx2(row, k, qr.data(), dr.data(), sr.data());
-      for (int64_t b = 0; b < nb; b++) {
-        const int64_t i = block_at(b, r, c.m, nb);
-        std::memcpy(c.q + i * QK, qr.data() + b * QK, QK);
-        c.d[i] = dr[b], c.s[i] = sr[b];
-        c.ds[i] = dr[b] * (float)sr[b];  // rounded once, as below
-        if (c.s8 != nullptr) c.s8[i] = (c.fmt == Q8_0 ? -128 : -8) * sr[b];
+      quantize_row_avx2(row + b0 * QK, (b1 - b0) * QK, qr.data(), dr.data(), sr.data());
+      for (int64_t b = b0; b < b1; b++) {
+        const int64_t i = block_at(b, r, c.m, nb), j = b - b0;
+        std::memcpy(c.q + i * QK, qr.data() + j * QK, QK);
+        c.d[i] = dr[j], c.s[i] = sr[j];
+        c.ds[i] = dr[j] * (float)sr[j];  // rounded once, as below
+        if (c.s8 != nullptr) c.s8[i] = (c.fmt == Q8_0 ? -128 : -8) * sr[j];
       }
       continue;
     }
@@ -510,8 +513,8 @@ torch::Tensor block_mm_impl(const torch::Tensor& x_in, const torch::Tensor& pack
   {
     const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
     if (!before) {
-      const auto [r0, r1] = quantize_share(c, tid, nth);
-      mm_quantize(c, r0, r1);
+      const QuantShare q = quantize_share(c, tid, nth);
+      mm_quantize(c, q.r0, q.r1, q.b0, q.b1);
 #pragma omp barrier
     }
     share.run(c, tid);  // (a region given fewer threads: they take the missing threads' shares too)

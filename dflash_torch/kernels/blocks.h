@@ -208,7 +208,7 @@ struct MmCall {
 void mm_setup(MmCall& c, MmScratch& scratch, int64_t fmt, int64_t isa, bool asked, const uint8_t* wp, int64_t n,
               int64_t k, int64_t m, const float* x, const float* norm_w, float eps, float* y, const float* res,
               bool prepare = true);
-void mm_quantize(const MmCall& c, int64_t r0, int64_t r1);
+void mm_quantize(const MmCall& c, int64_t r0, int64_t r1, int64_t b0 = 0, int64_t b1 = -1);
 void mm_columns(const MmCall& c, int64_t u0, int64_t u1);
 int64_t resolve_isa(int64_t isa);  // -1: the best this CPU has
 
@@ -217,13 +217,26 @@ inline std::pair<int64_t, int64_t> even_share(int64_t total, int64_t tid, int64_
   return {begin, std::min(total, begin + per)};
 }
 
-// the rows [begin, end) thread tid quantizes: its even share, or on block-major activations its even share of
-// whole tiles, so that no two threads write one tile (a tile's scales share cache lines; with a tile's rows split
-// between the threads the down projection ran slower at 5-8 rows, tools/kernel_ab.py)
-inline std::pair<int64_t, int64_t> quantize_share(const MmCall& c, int64_t tid, int64_t nth) {
-  if (!c.block_major) return even_share(c.m, tid, nth);
-  const auto [t0, t1] = even_share((c.m + BM_TILE - 1) / BM_TILE, tid, nth);
-  return {std::min(c.m, t0 * BM_TILE), std::min(c.m, t1 * BM_TILE)};
+// What thread tid quantizes: rows [r0, r1), their blocks [b0, b1) (b1 < 0: all). Row-major activations: its even
+// share of the rows. Block-major: its even share of whole tiles, so that no two threads write one tile (a tile's
+// scales share cache lines; with a tile's rows split between the threads the down projection ran slower at 5-8
+// rows, tools/kernel_ab.py); with fewer tiles than threads (up to 8 rows on two) every row and an even share of the
+// blocks, each thread writing its own stretch of the tile, which one thread alone had quantized.
+struct QuantShare {
+  int64_t r0, r1, b0, b1;
+};
+inline QuantShare quantize_share(const MmCall& c, int64_t tid, int64_t nth) {
+  if (!c.block_major) {
+    const auto [r0, r1] = even_share(c.m, tid, nth);
+    return {r0, r1, 0, -1};
+  }
+  const int64_t tiles = (c.m + BM_TILE - 1) / BM_TILE;
+  if (tiles < nth) {
+    const auto [b0, b1] = even_share(c.nb, tid, nth);
+    return {0, c.m, b0, b1};
+  }
+  const auto [t0, t1] = even_share(tiles, tid, nth);
+  return {std::min(c.m, t0 * BM_TILE), std::min(c.m, t1 * BM_TILE), 0, -1};
 }
 
 // A matmul's columns shared out as the threads go: each thread takes chunks of its even share from the front, in

@@ -412,9 +412,8 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
         mm_setup(c, *scratch, codes[slot] % 8, isa, false, packed[slot].data_ptr<uint8_t>(), n, k, t, in, norm_w,
                  (float)eps, y, res, tid == 0);
         if (tid == 0) share.reset(c.units, nth);
-        const auto [q0, q1] = split_quantize ? quantize_share(c, tid, nth)
-                                             : std::pair<int64_t, int64_t>{0, tid == 0 ? t : 0};
-        if (q0 < q1) mm_quantize(c, q0, q1);
+        const QuantShare q = split_quantize ? quantize_share(c, tid, nth) : QuantShare{0, tid == 0 ? t : 0, 0, -1};
+        if (q.r0 < q.r1) mm_quantize(c, q.r0, q.r1, q.b0, q.b1);
       });
 #pragma omp barrier
       guarded([&] { share.run(c, tid); });
