@@ -258,28 +258,36 @@ def test_the_row_count_dispatch_keeps_the_bits(tmp_path, min_rows, vnni256):
     """DFLASH_VNNI_MIN_ROWS moves the row count below which a VNNI CPU runs the AVX2 path's layout on 256-bit
     dpbusd (AMD Zen 4 by default), DFLASH_VNNI256=0 runs those rows on AVX2's maddubs instead: 0 keeps the
     512-bit path everywhere, 9 sends 1-8 rows to the narrow path, 17 (Zen 4's default) 1-16 rows, past its 8 rows
-    in registers. Every row count gives the reference's bits (on CPUs without VNNI the variables change nothing)."""
+    in registers, its activations block-major from 5 rows (tiles of 8, shared out to the threads by tiles, or by
+    blocks within one tile). Every row count, on 1-3 threads, with the norm inside the call or not, gives the
+    reference's bits (on CPUs without VNNI the variables change nothing)."""
     gen = torch.Generator().manual_seed(8)
-    x = torch.randn(17, 96, generator=gen)
+    x, nw = torch.randn(17, 96, generator=gen), torch.randn(96, generator=gen)
     ws = {fmt: pack.pack(pack.quantize(torch.randn(40, 96, generator=gen), fmt), fmt) for fmt in pack.FORMATS}
-    torch.save({"x": x, "ws": ws}, tmp_path / "in.pt")
+    torch.save({"x": x, "nw": nw, "ws": ws}, tmp_path / "in.pt")
     code = (
         "import sys, torch\n"
         "from dflash_torch import kernels\n"
         "from dflash_torch.kernels import pack\n"
         "kernels.ensure()\n"
-        "d = torch.load(sys.argv[1])\n"
-        "out = {(f, m): torch.ops.dflash.block_mm(d['x'][:m], w, pack.FORMATS.index(f), 40, -1)\n"
-        "       for f, w in d['ws'].items() for m in range(1, 18)}\n"
+        "d, out = torch.load(sys.argv[1]), {}\n"
+        "for t in (1, 2, 3):\n"
+        "    torch.set_num_threads(t)\n"
+        "    for f, w in d['ws'].items():\n"
+        "        for m in range(1, 18):\n"
+        "            c = pack.FORMATS.index(f)\n"
+        "            out[f, m, t, False] = torch.ops.dflash.block_mm(d['x'][:m], w, c, 40, -1)\n"
+        "            out[f, m, t, True] = torch.ops.dflash.block_mm_norm(d['x'][:m], d['nw'], 1e-6, w, c, 40, -1)\n"
         "torch.save(out, sys.argv[2])\n"
     )
     env = dict(os.environ, DFLASH_VNNI_MIN_ROWS=min_rows, DFLASH_VNNI256=vnni256)
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
                    cwd=ROOT, check=True, timeout=300)
     out = torch.load(tmp_path / "out.pt")
-    for (fmt, m), y in out.items():
-        want = reference.block_mm(x[:m], ws[fmt], pack.FORMATS.index(fmt), 40)
-        assert torch.equal(y, want), (fmt, m, min_rows, vnni256)
+    normed = torch.ops.dflash.rms_norm(x, nw, 1e-6, -1)
+    for (fmt, m, threads, norm), y in out.items():
+        want = reference.block_mm((normed if norm else x)[:m], ws[fmt], pack.FORMATS.index(fmt), 40)
+        assert torch.equal(y, want), (fmt, m, threads, norm, min_rows, vnni256)
 
 
 def test_auto_picks_the_files_own_blocks():
