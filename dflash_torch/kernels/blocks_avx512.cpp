@@ -130,8 +130,8 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
     const uint8_t* rec = w + b * gb;
     prefetch_ahead(rec, gb);
     const uint8_t* qs = rec + qoff;
-    // BM: rows r0.. are one tile of R rows (rows_vnni256_t), row r0 + r's block b at index r0 * nb + b * R + r
-    const int64_t t0 = r0 / BM_TILE * BM_TILE, tile = t0 * x.nb + b * std::min(BM_TILE, x.m - t0) + (r0 - t0);
+    // BM: rows r0.. are one tile of R rows (rows_vnni256_t): row r0 + r's block b at block_at(b, r0, ..) + r
+    const int64_t tile = BM ? block_at(b, r0, x.m, x.nb) : 0;
     auto at = [&](int r) { return BM ? tile + r : (r0 + r) * x.nb + b; };  // row r0 + r's scales' index
     auto x4 = [&](int r) { return (const int32_t*)(x.q + (BM ? (tile + r) * QK : (r0 + r) * x.k + b * QK)); };
     // two chains of exact integer sums per row (one chain's latency shows); Q4_0's first starts at -8 * s, as
