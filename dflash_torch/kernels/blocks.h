@@ -53,13 +53,13 @@ struct Rows {  // quantized activations of the rows of one call
 };
 
 // From BM_MIN_ROWS rows the 256-bit VNNI rows (rows_vnni256) read the activations block-major in tiles of 8 rows,
-// the rows they run together: tile r / 8 holds its rows' blocks in block order, block b's rows side by side (q: 32 bytes a row;
-// d, s, ds, s8: one value a row), so a kernel reaches a block's rows from one pointer with constant offsets, and
-// the next block a constant stride on. Row-major ([r * K + b * QK], [r * nb + b]), each row's own pointer, left
-// fewer registers than 8 rows need: the addresses were spilled to the stack and reloaded every block. A tile is
-// written by the threads that quantize its rows, and a 16-row pass's two tiles by one thread each (the rows'
-// even share). Fewer rows stay row-major: their few pointers fit the registers, and 2-4 rows in a shared tile ran
-// the small matrices slower (tools/kernel_ab.py, weights from memory). Every other path reads row-major.
+// the rows they run together: tile r / 8 holds its rows' blocks in block order, block b's rows side by side (q: 32
+// bytes a row; d, s, ds, s8: one value a row), so a kernel reaches a block's rows from one pointer with constant
+// offsets, and the next block a constant stride on. Row-major ([r * K + b * QK], [r * nb + b]), each row's own
+// pointer, left fewer registers than 8 rows need: the addresses were spilled to the stack and reloaded every block.
+// Which thread writes which part of a tile: quantize_share. Fewer rows stay row-major: their few pointers fit the
+// registers, and 2-4 rows in a shared tile ran the small matrices slower (tools/kernel_ab.py, weights from
+// memory). Every other path reads row-major.
 constexpr int64_t BM_TILE = 8, BM_MIN_ROWS = 5;
 static_assert(TILE_ROWS % BM_TILE == 0, "the narrow path's row tiles start on block-major tiles");
 inline int64_t block_at(int64_t b, int64_t r, int64_t m, int64_t nb) {  // index of row r's block b
