@@ -87,19 +87,22 @@ def test_rows_are_independent_of_other_rows(fmt):
     assert torch.equal(kernels.block_mm(x[perm], p, code, n), alone[perm])
 
 
-def test_activation_quantization_equals_reference():
+@pytest.mark.parametrize("nb", [1, 8, 19])  # the vector path takes blocks 8 at a time: whole groups and a rest
+def test_activation_quantization_equals_reference(nb):
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(9, 256, generator=gen) * 10
+    x = torch.randn(9, 32 * nb, generator=gen) * 10
     x[1] = 0.0
     x[2, :32] = torch.arange(32) * 0.5  # halves: exact ties
     x[3, :32] = 1e-30  # a subnormal-sized block
+    x[4, -32:] = 0.0  # a zero block last (a group's last lane where nb is 8)
+    x[5, (nb // 2) * 32:(nb // 2 + 1) * 32] *= 1e6  # one block far larger than the others of its group
     want = reference.quantize_act(x)
     for isa in _isas():
         got = torch.ops.dflash.quantize_act(x, isa)
         for g, w in zip(got, want):
             assert torch.equal(g, w), kernels.ISAS[isa]
     q, d, s = want
-    assert q.abs().max() <= 127 and torch.equal(s, q.reshape(9, 8, 32).int().sum(-1))
+    assert q.abs().max() <= 127 and torch.equal(s, q.reshape(9, nb, 32).int().sum(-1))
 
 
 @pytest.mark.parametrize("fmt", pack.FORMATS)

@@ -83,41 +83,86 @@ void quantize_row_scalar(const float* x, int64_t k, int8_t* q, float* d, int32_t
 }
 
 #ifdef DFLASH_X86
+// 8 vectors' horizontal reductions at once: lane i of the result is vector i's 8 lanes combined (max, or an
+// integer add through the float shuffles' bit patterns). Both are exact in any order, so a block's maximum and
+// sum are the per-block reductions' own.
+template <bool MAX>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 combine(__m256 a, __m256 b) {
+  if constexpr (MAX) return _mm256_max_ps(a, b);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(a), _mm256_castps_si256(b)));
+}
+template <bool MAX>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 reduce8(const __m256* v) {
+  __m256 p[4], h[2];
+  for (int i = 0; i < 4; i++)  // pairs: [a01 a23 b01 b23 | a45 a67 b45 b67]
+    p[i] = combine<MAX>(_mm256_shuffle_ps(v[2 * i], v[2 * i + 1], 0x88),
+                        _mm256_shuffle_ps(v[2 * i], v[2 * i + 1], 0xdd));
+  for (int i = 0; i < 2; i++)  // quads: [a b c d | a b c d], each a half's
+    h[i] = combine<MAX>(_mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0x88),
+                        _mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0xdd));
+  return combine<MAX>(_mm256_permute2f128_ps(h[0], h[1], 0x20), _mm256_permute2f128_ps(h[0], h[1], 0x31));
+}
+
+// quantize_row_scalar's operations on 8 blocks at a time: their maxima reduced together and their scales
+// divided by one vector instruction each (IEEE division rounds alike in any width), the quants as before, the
+// sums reduced together. Also writes ds = d * s (rounded once) and, where s8 is given, s8mul * s: from
+// registers, where a separate loop over d and s just stored would wait on store forwarding.
 __attribute__((target("avx2,fma,f16c"))) void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d,
-                                                                int32_t* s) {
+                                                                int32_t* s, float* ds, int32_t* s8, int32_t s8mul) {
   const __m256 sign = _mm256_set1_ps(-0.f), lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
-  for (int64_t b = 0; b < k / QK; b++) {
-    const float* xb = x + b * QK;
-    __m256 v[4], m = _mm256_setzero_ps();
-    for (int j = 0; j < 4; j++) {
-      v[j] = _mm256_loadu_ps(xb + 8 * j);
-      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const int64_t nb = k / QK;
+  for (int64_t g = 0; g < nb; g += 8) {
+    const int n = (int)std::min<int64_t>(8, nb - g);
+    __m256 m[8];
+    for (int i = 0; i < 8; i++) {
+      m[i] = _mm256_setzero_ps();
+      if (i < n)
+        for (int j = 0; j < 4; j++)
+          m[i] = _mm256_max_ps(m[i], _mm256_andnot_ps(sign, _mm256_loadu_ps(x + (g + i) * QK + 8 * j)));
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);  // max is exact: the order does not matter
-    const float db = amax / 127.f;
-    const float id = db != 0.f ? 1.f / db : 0.f;
-    const __m256 idv = _mm256_set1_ps(id);
-    __m256i acc = _mm256_setzero_si256(), iv[4];
-    for (int j = 0; j < 4; j++) {
-      __m256 r = _mm256_round_ps(_mm256_mul_ps(v[j], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      r = _mm256_min_ps(lim, _mm256_max_ps(nlim, r));
-      iv[j] = _mm256_cvtps_epi32(r);
-      acc = _mm256_add_epi32(acc, iv[j]);
+    const __m256 amax = reduce8<true>(m);
+    const __m256 db = _mm256_div_ps(amax, lim);
+    const __m256 id = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.f), db),  // 0 where db is 0
+                                    _mm256_cmp_ps(db, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+    alignas(32) float ids[8];
+    _mm256_store_ps(ids, id);
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) {
+      __m256i sum = _mm256_setzero_si256(), iv[4];
+      if (i < n) {
+        const float* xb = x + (g + i) * QK;
+        const __m256 idv = _mm256_set1_ps(ids[i]);
+        for (int j = 0; j < 4; j++) {
+          __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * j), idv),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          r = _mm256_min_ps(lim, _mm256_max_ps(nlim, r));
+          iv[j] = _mm256_cvtps_epi32(r);
+          sum = _mm256_add_epi32(sum, iv[j]);
+        }
+        // the 32 values (all within [-127, 127], so the saturating packs are exact) to bytes in one store: the
+        // packs interleave 128-bit lanes, dwords [v0 0-3, v1 0-3, v2 0-3, v3 0-3, v0 4-7, ...], and the
+        // permutation restores the order (a byte-by-byte copy cost more than the rest of the block)
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+        _mm256_storeu_si256((__m256i*)(q + (g + i) * QK), _mm256_permutevar8x32_epi32(bytes, order));
+      }
+      acc[i] = _mm256_castsi256_ps(sum);
     }
-    // the 32 values (all within [-127, 127], so the saturating packs are exact) to bytes in one store: the
-    // packs interleave 128-bit lanes, dwords [v0 0-3, v1 0-3, v2 0-3, v3 0-3, v0 4-7, ...], and the
-    // permutation restores the order (a byte-by-byte copy cost more than the rest of the block)
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
-    _mm256_storeu_si256((__m256i*)(q + b * QK),
-                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    __m128i a4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    a4 = _mm_add_epi32(a4, _mm_shuffle_epi32(a4, 0x4e));
-    a4 = _mm_add_epi32(a4, _mm_shuffle_epi32(a4, 0xb1));
-    d[b] = db;
-    s[b] = _mm_cvtsi128_si32(a4);
+    const __m256i sums = _mm256_castps_si256(reduce8<false>(acc));
+    const __m256 dsv = _mm256_mul_ps(db, _mm256_cvtepi32_ps(sums));
+    const __m256i s8v = _mm256_mullo_epi32(sums, _mm256_set1_epi32(s8mul));
+    if (n == 8) {
+      _mm256_storeu_ps(d + g, db);
+      _mm256_storeu_si256((__m256i*)(s + g), sums);
+      _mm256_storeu_ps(ds + g, dsv);
+      if (s8 != nullptr) _mm256_storeu_si256((__m256i*)(s8 + g), s8v);
+    } else {
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      _mm256_maskstore_ps(d + g, mask, db);
+      _mm256_maskstore_epi32(s + g, mask, sums);
+      _mm256_maskstore_ps(ds + g, mask, dsv);
+      if (s8 != nullptr) _mm256_maskstore_epi32(s8 + g, mask, s8v);
+    }
   }
 }
 #endif
@@ -276,7 +321,9 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* d, in
     for (int64_t r = r0; r < r1; r++) {
 #ifdef DFLASH_X86
       if (isa >= AVX2) {
-        quantize_row_avx2(x + r * k, k, q + r * k, d + r * nb, s + r * nb);
+        thread_local std::vector<float> ds;  // (not returned)
+        ds.resize(nb);
+        quantize_row_avx2(x + r * k, k, q + r * k, d + r * nb, s + r * nb, ds.data(), nullptr, 0);
         continue;
       }
 #endif
@@ -347,32 +394,39 @@ void mm_quantize(const MmCall& c, int64_t r0, int64_t r1, int64_t b0, int64_t b1
       dflash_norm::norm_row(row, c.norm_w, k, c.eps, normed.data());
       row = normed.data();
     }
+    const int32_t s8mul = c.fmt == Q8_0 ? -128 : -8;
 #ifdef DFLASH_X86
     if (c.block_major) {  // (Rows, block_at): the row's blocks scattered to their places
       thread_local std::vector<int8_t> qr;
-      thread_local std::vector<float> dr;
-      thread_local std::vector<int32_t> sr;
-      qr.resize(k), dr.resize(nb), sr.resize(nb);
-      quantize_row_avx2(row + b0 * QK, (b1 - b0) * QK, qr.data(), dr.data(), sr.data());
+      thread_local std::vector<float> dr, dsr;
+      thread_local std::vector<int32_t> sr, s8r;
+      qr.resize(k), dr.resize(nb), dsr.resize(nb), sr.resize(nb), s8r.resize(nb);
+      quantize_row_avx2(row + b0 * QK, (b1 - b0) * QK, qr.data(), dr.data(), sr.data(), dsr.data(), s8r.data(),
+                        s8mul);
       for (int64_t b = b0; b < b1; b++) {
         const int64_t i = block_at(b, r, c.m, nb), j = b - b0;
         std::memcpy(c.q + i * QK, qr.data() + j * QK, QK);
-        c.d[i] = dr[j], c.s[i] = sr[j];
-        c.ds[i] = dr[j] * (float)sr[j];  // rounded once, as below
-        if (c.s8 != nullptr) c.s8[i] = (c.fmt == Q8_0 ? -128 : -8) * sr[j];
+        c.d[i] = dr[j], c.s[i] = sr[j], c.ds[i] = dsr[j];
+        if (c.s8 != nullptr) c.s8[i] = s8r[j];
       }
       continue;
     }
-    if (c.isa >= AVX2)
-      quantize_row_avx2(row, k, c.q + r * k, c.d + r * nb, c.s + r * nb);
-    else
+    if (c.isa >= AVX2) {
+      quantize_row_avx2(row, k, c.q + r * k, c.d + r * nb, c.s + r * nb, c.ds + r * nb,
+                        c.s8 != nullptr ? c.s8 + r * nb : nullptr, s8mul);
+    } else
 #endif
+    {
       quantize_row_scalar(row, k, c.q + r * k, c.d + r * nb, c.s + r * nb);
-    for (int64_t i = r * nb; i < (r + 1) * nb; i++) c.ds[i] = c.d[i] * (float)c.s[i];  // rounded once
-    if (c.s8 != nullptr)
-      for (int64_t i = r * nb; i < (r + 1) * nb; i++) c.s8[i] = (c.fmt == Q8_0 ? -128 : -8) * c.s[i];
-    if (c.u != nullptr)
-      for (int64_t i = r * k; i < (r + 1) * k; i++) c.u[i] = (uint8_t)c.q[i] ^ 0x80;
+      for (int64_t i = r * nb; i < (r + 1) * nb; i++) c.ds[i] = c.d[i] * (float)c.s[i];  // rounded once
+      if (c.s8 != nullptr)
+        for (int64_t i = r * nb; i < (r + 1) * nb; i++) c.s8[i] = s8mul * c.s[i];
+    }
+    if (c.u != nullptr) {  // (local pointers: through c the compiler reloaded both for every byte)
+      const int8_t* qr = c.q + r * k;
+      uint8_t* ur = c.u + r * k;
+      for (int64_t i = 0; i < k; i++) ur[i] = (uint8_t)qr[i] ^ 0x80;
+    }
   }
 }
 
