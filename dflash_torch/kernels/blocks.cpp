@@ -441,7 +441,7 @@ void ColumnShare::reset(int64_t units, int64_t nth) {
   const int64_t chunks = (units + chunk_ - 1) / chunk_;
   for (int64_t t = 0; t < nth_; t++) {
     const auto [b, e] = even_share(chunks, t, nth_);
-    left_[t].store((uint64_t)b << 32 | (uint64_t)e, std::memory_order_relaxed);
+    left_[t].v.store((uint64_t)b << 32 | (uint64_t)e, std::memory_order_relaxed);
   }
 }
 
@@ -453,12 +453,12 @@ void ColumnShare::run(const MmCall& c, int64_t tid) {
   }
   // take one chunk of thread t's: from the front (its own) or from the back (another's); false when none is left
   auto take = [&](int64_t t, bool front, int64_t& i) {
-    uint64_t v = left_[t].load(std::memory_order_relaxed);
+    uint64_t v = left_[t].v.load(std::memory_order_relaxed);
     while (true) {
       const uint64_t f = v >> 32, b = v & 0xffffffffu;
       if (f >= b) return false;
       const uint64_t next = front ? (f + 1) << 32 | b : f << 32 | (b - 1);
-      if (left_[t].compare_exchange_weak(v, next, std::memory_order_relaxed)) {
+      if (left_[t].v.compare_exchange_weak(v, next, std::memory_order_relaxed)) {
         i = (int64_t)(front ? f : b - 1);
         return true;
       }

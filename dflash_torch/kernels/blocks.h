@@ -251,7 +251,12 @@ class ColumnShare {
   void run(const MmCall& c, int64_t tid);  // on every thread of the region, then a barrier
  private:
   static constexpr int64_t MAX_THREADS = 256;  // past this, the even share
-  std::atomic<uint64_t> left_[MAX_THREADS];   // thread t's chunks not yet taken: front << 32 | back
+  // thread t's chunks not yet taken: front << 32 | back, each on its own cache line (side by side, every chunk a
+  // thread took from its own front moved the line away from the other cores, and it back)
+  struct alignas(64) Left {
+    std::atomic<uint64_t> v;
+  };
+  Left left_[MAX_THREADS];
   int64_t nth_ = 1, chunk_ = 1, units_ = 0;
 };
 
