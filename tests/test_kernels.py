@@ -266,7 +266,9 @@ def test_the_row_count_dispatch_keeps_the_bits(tmp_path, min_rows, vnni256):
     reference's bits (on CPUs without VNNI the variables change nothing)."""
     gen = torch.Generator().manual_seed(8)
     x, nw = torch.randn(17, 96, generator=gen), torch.randn(96, generator=gen)
-    ws = {fmt: pack.pack(pack.quantize(torch.randn(40, 96, generator=gen), fmt), fmt) for fmt in pack.FORMATS}
+    # 293 outputs: 37 column groups, the last part-filled, in chunks of several groups (pairs of groups for 3-4
+    # rows of Q4, and a group left over)
+    ws = {fmt: pack.pack(pack.quantize(torch.randn(293, 96, generator=gen), fmt), fmt) for fmt in pack.FORMATS}
     torch.save({"x": x, "nw": nw, "ws": ws}, tmp_path / "in.pt")
     code = (
         "import sys, torch\n"
@@ -279,8 +281,8 @@ def test_the_row_count_dispatch_keeps_the_bits(tmp_path, min_rows, vnni256):
         "    for f, w in d['ws'].items():\n"
         "        for m in range(1, 18):\n"
         "            c = pack.FORMATS.index(f)\n"
-        "            out[f, m, t, False] = torch.ops.dflash.block_mm(d['x'][:m], w, c, 40, -1)\n"
-        "            out[f, m, t, True] = torch.ops.dflash.block_mm_norm(d['x'][:m], d['nw'], 1e-6, w, c, 40, -1)\n"
+        "            out[f, m, t, False] = torch.ops.dflash.block_mm(d['x'][:m], w, c, 293, -1)\n"
+        "            out[f, m, t, True] = torch.ops.dflash.block_mm_norm(d['x'][:m], d['nw'], 1e-6, w, c, 293, -1)\n"
         "torch.save(out, sys.argv[2])\n"
     )
     env = dict(os.environ, DFLASH_VNNI_MIN_ROWS=min_rows, DFLASH_VNNI256=vnni256)
@@ -289,7 +291,7 @@ def test_the_row_count_dispatch_keeps_the_bits(tmp_path, min_rows, vnni256):
     out = torch.load(tmp_path / "out.pt")
     normed = torch.ops.dflash.rms_norm(x, nw, 1e-6, -1)
     for (fmt, m, threads, norm), y in out.items():
-        want = reference.block_mm((normed if norm else x)[:m], ws[fmt], pack.FORMATS.index(fmt), 40)
+        want = reference.block_mm((normed if norm else x)[:m], ws[fmt], pack.FORMATS.index(fmt), 293)
         assert torch.equal(y, want), (fmt, m, threads, norm, min_rows, vnni256)
 
 

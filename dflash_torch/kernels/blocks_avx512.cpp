@@ -175,6 +175,70 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
   for (int r = 0; r < R; r++) _mm256_storeu_ps(out + GROUP * r, acc[r]);
 }
 
+// 3-4 row-major rows of a Q4 matrix against two column groups at once, g (w0) and g + 1 (w1, its records right
+// after g's): each broadcast of an activation group feeds both groups' dpbusd, half the activation loads a
+// multiply needs one group at a time (those loads, not the multiplies, held 4 rows to 2.4 ns per row and block
+// against 1.9 for 8 block-major rows: tools/kernel_ab.py --mb 1 --threads 1). Per group the same integers and
+// float steps as vnni256_rows. Its loads read two streams, which from DRAM ran at under half the rate of one
+// (--mb 48): the next pair's records are prefetched in address order, two records a block, the pair and the next
+// in L1 (so nb <= PF: mm_columns).
+template <int64_t fmt, int R>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) void vnni256_rows_pair(
+    const uint8_t* w0, int64_t nb, const Rows& x, int64_t r0, float* out) {
+  static_assert(fmt != Q8_0, "Q4 formats only");
+  const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
+  const uint8_t* w1 = w0 + nb * gb;
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  __m256 acc[2][R];
+  #pragma GCC unroll 4
+  for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* rec0 = w0 + b * gb;
+    const uint8_t* rec1 = w1 + b * gb;
+    for (int64_t off = 2 * b * gb; off < 2 * (b + 1) * gb; off += 64)  // the next pair's, in address order
+      _mm_prefetch((const char*)(w0 + 2 * nb * gb + off), _MM_HINT_T0);
+    const uint8_t *qs0 = rec0 + qoff, *qs1 = rec1 + qoff;
+    auto x4 = [&](int r) { return (const int32_t*)(x.q + (r0 + r) * x.k + b * QK); };
+    // [group][row]: two chains of exact integer sums each (low and high nibbles); Q4_0's first starts at -8 * s
+    __m256i e[2][R], o[2][R];
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+      e[0][r] = e[1][r] = fmt == Q4_0 ? _mm256_set1_epi32(x.s8[(r0 + r) * x.nb + b]) : _mm256_setzero_si256();
+      o[0][r] = o[1][r] = _mm256_setzero_si256();
+    }
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+      const __m256i v0 = _mm256_loadu_si256((const __m256i*)(qs0 + 32 * j));
+      const __m256i v1 = _mm256_loadu_si256((const __m256i*)(qs1 + 32 * j));
+      const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+      const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+      #pragma GCC unroll 4
+      for (int r = 0; r < R; r++) {
+        const __m256i xl = _mm256_set1_epi32(x4(r)[j]), xh = _mm256_set1_epi32(x4(r)[j + 4]);
+        e[0][r] = _mm256_dpbusd_epi32(e[0][r], lo0, xl);
+        e[1][r] = _mm256_dpbusd_epi32(e[1][r], lo1, xl);
+        o[0][r] = _mm256_dpbusd_epi32(o[0][r], hi0, xh);
+        o[1][r] = _mm256_dpbusd_epi32(o[1][r], hi1, xh);
+      }
+    }
+    const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec0));
+    const __m256 dw1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec1));
+    const __m256 mw0 = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec0 + 16))) : _mm256_setzero_ps();
+    const __m256 mw1 = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec1 + 16))) : _mm256_setzero_ps();
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {  // the AVX2 path's float step, the row's part broadcast once for both groups
+      const RowStep8 step = row_step8<fmt, true>(x, (r0 + r) * x.nb + b);
+      acc[0][r] = float_step8<fmt, true>(acc[0][r], _mm256_add_epi32(e[0][r], o[0][r]), dw0, mw0, step);
+      acc[1][r] = float_step8<fmt, true>(acc[1][r], _mm256_add_epi32(e[1][r], o[1][r]), dw1, mw1, step);
+    }
+  }
+  #pragma GCC unroll 4
+  for (int r = 0; r < R; r++) {
+    _mm256_storeu_ps(out + 2 * GROUP * r, acc[0][r]);
+    _mm256_storeu_ps(out + 2 * GROUP * r + GROUP, acc[1][r]);
+  }
+}
+
 template <int64_t fmt>
 void rows_vnni256_t(const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
   // acc [r1 - r0, GROUP]; a tile of 8 rows' sums and a block's weights fit 32 ymm (r0: a multiple of the tile's
@@ -410,6 +474,13 @@ void columns_vnni(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t group
   if (fmt == Q4_0) columns_vnni_t<Q4_0>(wp, gstride, groups, nb, x, m, p0, p1, y, n, res);
   else if (fmt == Q4_1) columns_vnni_t<Q4_1>(wp, gstride, groups, nb, x, m, p0, p1, y, n, res);
   else columns_vnni_t<Q8_0>(wp, gstride, groups, nb, x, m, p0, p1, y, n, res);
+}
+
+void rows_vnni256_pair(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1,
+                       float* acc) {
+  const bool q40 = fmt == Q4_0;
+  if (r1 - r0 == 3) q40 ? vnni256_rows_pair<Q4_0, 3>(w, nb, x, r0, acc) : vnni256_rows_pair<Q4_1, 3>(w, nb, x, r0, acc);
+  if (r1 - r0 == 4) q40 ? vnni256_rows_pair<Q4_0, 4>(w, nb, x, r0, acc) : vnni256_rows_pair<Q4_1, 4>(w, nb, x, r0, acc);
 }
 
 void rows_vnni256(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
