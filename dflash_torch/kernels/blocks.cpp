@@ -499,10 +499,9 @@ void mm_columns(const MmCall& c, int64_t u0, int64_t u1) {
 #endif
   float acc[TILE_ROWS * GROUP];
 #ifdef DFLASH_X86
-  // 3-4 row-major rows of a Q4 matrix: two column groups at a time where there are two (rows_vnni256_pair). Fewer
-  // rows are bound by the weights' reads, which it did not speed up; Q8_0 ran 1.1-1.4x slower on it, and inputs of
-  // over PF blocks (the down projection) 1.0-1.1x (tools/kernel_ab.py --mb 96, 2 threads, AMD Zen 4)
-  if (c.narrow && !c.block_major && fmt != Q8_0 && m >= 3 && m <= 4 && nb <= PF) {
+  // 3-4 row-major rows: two column groups at a time where there are two (rows_vnni256_pair). Fewer rows are bound
+  // by the weights' reads, which it did not speed up (tools/kernel_ab.py --mb 96, 2 threads, AMD Zen 4)
+  if (c.narrow && !c.block_major && m >= 3 && m <= 4) {
     for (int64_t g = u0; g + 1 < u1; g += 2) {
       rows_vnni256_pair(fmt, c.wp + g * c.gstride, nb, rows, 0, m, acc);
       const int64_t cols = std::min<int64_t>(2 * GROUP, n - g * GROUP);

@@ -175,17 +175,16 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
   for (int r = 0; r < R; r++) _mm256_storeu_ps(out + GROUP * r, acc[r]);
 }
 
-// 3-4 row-major rows of a Q4 matrix against two column groups at once, g (w0) and g + 1 (w1, its records right
-// after g's): each broadcast of an activation group feeds both groups' dpbusd, half the activation loads a
-// multiply needs one group at a time (those loads, not the multiplies, held 4 rows to 2.4 ns per row and block
-// against 1.9 for 8 block-major rows: tools/kernel_ab.py --mb 1 --threads 1). Per group the same integers and
-// float steps as vnni256_rows. Its loads read two streams, which from DRAM ran at under half the rate of one
-// (--mb 48): the next pair's records are prefetched in address order, two records a block, the pair and the next
-// in L1 (so nb <= PF: mm_columns).
-template <int64_t fmt, int R>
+// 3-4 row-major rows against two column groups at once, g (w0) and g + 1 (w1, its records right after g's): each
+// broadcast of an activation group feeds both groups' dpbusd, half the activation loads a multiply needs one group
+// at a time (those loads, not the multiplies, held 4 rows to 2.4 ns per row and block against 1.9 for 8
+// block-major rows: tools/kernel_ab.py --mb 1 --threads 1). Per group the same integers and float steps as
+// vnni256_rows. Its loads read two streams, which from DRAM ran at under half the rate of one (--mb 48): the next
+// pair's records are prefetched in address order, two records a block, into L1 where the pair and the next fit
+// there (L1), else into L2.
+template <int64_t fmt, int R, bool L1>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) void vnni256_rows_pair(
     const uint8_t* w0, int64_t nb, const Rows& x, int64_t r0, float* out) {
-  static_assert(fmt != Q8_0, "Q4 formats only");
   const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
   const uint8_t* w1 = w0 + nb * gb;
   const __m256i low = _mm256_set1_epi8(0x0f);
@@ -196,29 +195,46 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
     const uint8_t* rec0 = w0 + b * gb;
     const uint8_t* rec1 = w1 + b * gb;
     for (int64_t off = 2 * b * gb; off < 2 * (b + 1) * gb; off += 64)  // the next pair's, in address order
-      _mm_prefetch((const char*)(w0 + 2 * nb * gb + off), _MM_HINT_T0);
+      _mm_prefetch((const char*)(w0 + 2 * nb * gb + off), L1 ? _MM_HINT_T0 : _MM_HINT_T1);
     const uint8_t *qs0 = rec0 + qoff, *qs1 = rec1 + qoff;
     auto x4 = [&](int r) { return (const int32_t*)(x.q + (r0 + r) * x.k + b * QK); };
-    // [group][row]: two chains of exact integer sums each (low and high nibbles); Q4_0's first starts at -8 * s
+    // [group][row]: two chains of exact integer sums each; Q4_0's first starts at -8 * s, Q8_0's at -128 * s
     __m256i e[2][R], o[2][R];
     #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-      e[0][r] = e[1][r] = fmt == Q4_0 ? _mm256_set1_epi32(x.s8[(r0 + r) * x.nb + b]) : _mm256_setzero_si256();
+      e[0][r] = e[1][r] = fmt != Q4_1 ? _mm256_set1_epi32(x.s8[(r0 + r) * x.nb + b]) : _mm256_setzero_si256();
       o[0][r] = o[1][r] = _mm256_setzero_si256();
     }
-    #pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) {
-      const __m256i v0 = _mm256_loadu_si256((const __m256i*)(qs0 + 32 * j));
-      const __m256i v1 = _mm256_loadu_si256((const __m256i*)(qs1 + 32 * j));
-      const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-      const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+    if (fmt == Q8_0) {  // (chunks j: even ones into e, odd ones into o)
+      const __m256i flip = _mm256_set1_epi8((char)0x80);
+      #pragma GCC unroll 8
+      for (int j = 0; j < 8; j++) {
+        const __m256i a0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(qs0 + 32 * j)), flip);  // w + 128
+        const __m256i a1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(qs1 + 32 * j)), flip);
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+          const __m256i xb = _mm256_set1_epi32(x4(r)[j]);
+          __m256i* c = j % 2 == 0 ? e[0] : o[0];
+          __m256i* d = j % 2 == 0 ? e[1] : o[1];
+          c[r] = _mm256_dpbusd_epi32(c[r], a0, xb);
+          d[r] = _mm256_dpbusd_epi32(d[r], a1, xb);
+        }
+      }
+    } else {  // (low nibbles into e, high ones into o)
       #pragma GCC unroll 4
-      for (int r = 0; r < R; r++) {
-        const __m256i xl = _mm256_set1_epi32(x4(r)[j]), xh = _mm256_set1_epi32(x4(r)[j + 4]);
-        e[0][r] = _mm256_dpbusd_epi32(e[0][r], lo0, xl);
-        e[1][r] = _mm256_dpbusd_epi32(e[1][r], lo1, xl);
-        o[0][r] = _mm256_dpbusd_epi32(o[0][r], hi0, xh);
-        o[1][r] = _mm256_dpbusd_epi32(o[1][r], hi1, xh);
+      for (int j = 0; j < 4; j++) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i*)(qs0 + 32 * j));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i*)(qs1 + 32 * j));
+        const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+        const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+          const __m256i xl = _mm256_set1_epi32(x4(r)[j]), xh = _mm256_set1_epi32(x4(r)[j + 4]);
+          e[0][r] = _mm256_dpbusd_epi32(e[0][r], lo0, xl);
+          e[1][r] = _mm256_dpbusd_epi32(e[1][r], lo1, xl);
+          o[0][r] = _mm256_dpbusd_epi32(o[0][r], hi0, xh);
+          o[1][r] = _mm256_dpbusd_epi32(o[1][r], hi1, xh);
+        }
       }
     }
     const __m256 dw0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec0));
@@ -478,9 +494,19 @@ void columns_vnni(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t group
 
 void rows_vnni256_pair(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1,
                        float* acc) {
-  const bool q40 = fmt == Q4_0;
-  if (r1 - r0 == 3) q40 ? vnni256_rows_pair<Q4_0, 3>(w, nb, x, r0, acc) : vnni256_rows_pair<Q4_1, 3>(w, nb, x, r0, acc);
-  if (r1 - r0 == 4) q40 ? vnni256_rows_pair<Q4_0, 4>(w, nb, x, r0, acc) : vnni256_rows_pair<Q4_1, 4>(w, nb, x, r0, acc);
+  // the next pair prefetched into L1 where it fits there beside this one (16 KB for the two), else into L2
+  const bool l1 = 4 * nb * group_bytes(fmt) <= 16 * 1024;
+#define DFLASH_PAIR(F)                                                                      \
+  if (r1 - r0 == 3) (l1 ? vnni256_rows_pair<F, 3, true> : vnni256_rows_pair<F, 3, false>)(w, nb, x, r0, acc); \
+  else (l1 ? vnni256_rows_pair<F, 4, true> : vnni256_rows_pair<F, 4, false>)(w, nb, x, r0, acc);
+  if (fmt == Q4_0) {
+    DFLASH_PAIR(Q4_0)
+  } else if (fmt == Q4_1) {
+    DFLASH_PAIR(Q4_1)
+  } else {
+    DFLASH_PAIR(Q8_0)
+  }
+#undef DFLASH_PAIR
 }
 
 void rows_vnni256(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc) {
