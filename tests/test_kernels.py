@@ -29,7 +29,10 @@ def _isas() -> list[int]:
     return [] if best == "reference" else list(range(kernels.ISAS.index(best) + 1))
 
 
-SHAPES = [(1, 8, 32), (3, 13, 64), (16, 40, 96), (2, 1, 32), (33, 21, 160), (70, 24, 128), (5, 72, 608)]
+# (3 and 4 rows x 293 outputs: the threads' chunks hold pairs of column groups, whose next pair the 256-bit rows
+# prefetch into L1 or, past 16 KB for the two, into L2)
+SHAPES = [(1, 8, 32), (3, 13, 64), (16, 40, 96), (2, 1, 32), (33, 21, 160), (70, 24, 128), (5, 72, 608),
+          (3, 293, 512), (4, 293, 1056)]
 
 
 @pytest.mark.parametrize("fmt", pack.FORMATS)
