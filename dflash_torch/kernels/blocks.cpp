@@ -123,8 +123,8 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_row_avx2(const float* x, 
     }
     const __m256 amax = reduce8<true>(m);
     const __m256 db = _mm256_div_ps(amax, lim);
-    const __m256 id = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.f), db),  // 0 where db is 0
-                                    _mm256_cmp_ps(db, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+    const __m256 id = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.f), db),  // 0 where db is 0 (db != 0.f)
+                                    _mm256_cmp_ps(db, _mm256_setzero_ps(), _CMP_NEQ_UQ));
     alignas(32) float ids[8];
     _mm256_store_ps(ids, id);
     __m256 acc[8];
