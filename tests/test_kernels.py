@@ -263,7 +263,7 @@ def test_a_build_cut_short_does_not_hold_up_the_next(tmp_path, monkeypatch, caps
 def test_the_row_count_dispatch_keeps_the_bits(tmp_path, min_rows, vnni256):
     """DFLASH_VNNI_MIN_ROWS moves the row count below which a VNNI CPU runs the AVX2 path's layout on 256-bit
     dpbusd (AMD Zen 4 by default), DFLASH_VNNI256=0 runs those rows on AVX2's maddubs instead: 0 keeps the
-    512-bit path everywhere, 9 sends 1-8 rows to the narrow path, 17 (Zen 4's default) 1-16 rows, past its 8 rows
+    512-bit path everywhere, 9 (Zen 4's default) sends 1-8 rows to the narrow path, 17 1-16 rows, past its 8 rows
     in registers, its activations block-major from 5 rows (tiles of 8, shared out to the threads by tiles, or by
     blocks within one tile). Every row count, on 1-3 threads, with the norm inside the call or not, gives the
     reference's bits (on CPUs without VNNI the variables change nothing)."""

@@ -244,11 +244,11 @@ int64_t avx2_tile_rows() {
 // decode step's matmuls about a quarter slower than the AVX2 path's, while VNNI's dpbusd takes fewer
 // instructions per row than AVX2's maddubs chains. So below vnni_min_rows() rows such a CPU runs the AVX2
 // path's layout with 256-bit dpbusd (rows_vnni256 in blocks_avx512.cpp): a decode step as fast as the AVX2
-// path's, and 2-5 rows cheaper than either path. Verify passes of up to 16 rows take it too: the whole model's
-// passes of 6-8 rows took 0.59-0.82x their time on the 512-bit path, 12 rows 0.80-0.93x, 16 rows 0.86-1.05x
-// (weights from memory; isolated matmuls with their weights in cache favour the 512-bit path for the 1536-input
-// down projection and the Q4 LM head); prefills keep the 512-bit path (docs/performance.md, "Few rows on 256-bit
-// VNNI (AMD Zen 4)"). Every path gives the same bits, so only speed changes. DFLASH_VNNI_MIN_ROWS=N overrides the
+// path's, and 2-5 rows cheaper than either path. Verify passes of up to 8 rows take it too: the whole model's
+// passes of 6-8 rows took 0.59-0.82x their time on the 512-bit path. From 9 rows the 512-bit path again, since its
+// pairs of column groups are prefetched in address order (pairs_in_address_order): 12- and 16-row passes took
+// about 0.9x the time of the 256-bit rows' (docs/performance.md, "Two column groups for 3-4 rows"; before, 12
+// rows had taken 0.80-0.93x and 16 rows 0.86-1.05x on the 256-bit rows: "Few rows on 256-bit VNNI (AMD Zen 4)"). Every path gives the same bits, so only speed changes. DFLASH_VNNI_MIN_ROWS=N overrides the
 // row count (0: the 512-bit path at every row count), and DFLASH_VNNI256=0 runs those rows on the AVX2 path's
 // maddubs instead, both for measuring.
 bool zen4() {
@@ -276,7 +276,7 @@ int64_t vnni_min_rows() {
   static const int64_t rows = [] {
     const char* v = std::getenv("DFLASH_VNNI_MIN_ROWS");
     if (v && *v) return std::max<int64_t>(0, std::atoll(v));
-    return zen4() ? (int64_t)17 : (int64_t)0;
+    return zen4() ? (int64_t)9 : (int64_t)0;
   }();
   return rows;
 }
@@ -529,6 +529,20 @@ void mm_columns(const MmCall& c, int64_t u0, int64_t u1) {
 }
 
 int64_t resolve_isa(int64_t isa) { return resolve(isa); }
+
+// The 512-bit path reads a pair of column groups, two streams of records. On AMD Zen 4, prefetched each on its
+// own, they came from DRAM at under half the rate of one stream: with the next pair's records prefetched in address
+// order its 1-4-row matmuls took 0.49-0.99x the time (tools/kernel_ab.py REV --isa 2 --mb 96). Elsewhere (Intel
+// VNNI CPUs, where a decode step's matmuls read at the memory's rate) each stream keeps its own prefetch.
+// DFLASH_PAIR_ORDER=0/1 overrides, for measuring.
+bool pairs_in_address_order() {
+  static const bool on = [] {
+    const char* v = std::getenv("DFLASH_PAIR_ORDER");
+    if (v && *v) return std::strcmp(v, "0") != 0;
+    return zen4();
+  }();
+  return on;
+}
 
 }  // namespace dflash_blocks
 

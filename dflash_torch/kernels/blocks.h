@@ -165,6 +165,9 @@ void columns_vnni(int64_t fmt, const uint8_t* wp, int64_t gstride, int64_t group
                   int64_t m, int64_t p0, int64_t p1, float* y, int64_t n, const float* res);
 // one 8-column group's sums for rows [r0, r1) into acc [r1 - r0, GROUP], VNNI on 256-bit registers
 void rows_vnni256(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1, float* acc);
+// whether the 512-bit path prefetches the next pair of column groups' records in address order (AMD Zen 4, where
+// DRAM served its two streams at under half the rate of one) or each group's stream on its own (blocks.cpp)
+bool pairs_in_address_order();
 // the same for groups g (w) and g + 1 (its records after g's) at once into acc [r1 - r0, 2 * GROUP]: 3-4
 // row-major rows
 void rows_vnni256_pair(int64_t fmt, const uint8_t* w, int64_t nb, const Rows& x, int64_t r0, int64_t r1,

@@ -28,13 +28,18 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
     const uint8_t* w0, const uint8_t* w1, int64_t nb, const Rows& x, int64_t r0, float* out) {
   const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
   const __m512i low = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1);
+  const bool in_order = pairs_in_address_order();
   __m512 acc[R];
   #pragma GCC unroll 16
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* e0 = w0 + b * gb;
     const uint8_t* e1 = w1 + b * gb;
-    prefetch_pair(w0, b, nb, gb);
+    if (in_order)  // the next pair's records, in address order (into L2: the two pairs may not fit L1)
+      for (int64_t off = 2 * b * gb; off < 2 * (b + 1) * gb; off += 64)
+        _mm_prefetch((const char*)(w0 + 2 * nb * gb + off), _MM_HINT_T1);
+    else
+      prefetch_pair(w0, b, nb, gb);
 #define DFLASH_HALVES(off)                                                                          \
   _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(e0 + (off)))), \
                                           _mm_loadu_si128((const __m128i*)(e1 + (off))), 1))
