@@ -117,6 +117,19 @@ __attribute__((always_inline)) inline void prefetch_pair(const uint8_t* w0, int6
   }
 }
 
+// Prefetch for block b of a pair of column groups whose records lie one after the other from w0 (as prefetch_pair):
+// the next pair's records in address order, two records' bytes a block, so that DRAM serves one stream where the
+// pair's loads read two (on AMD Zen 4 two streams came at under half the rate of one: docs/performance.md, "Two
+// column groups for 3-4 rows"). L1: into L1, else into L2 (where this pair and the next do not fit L1).
+template <bool L1>
+__attribute__((always_inline)) inline void prefetch_next_pair(const uint8_t* w0, int64_t b, int64_t nb, int64_t gb) {
+  const uint8_t* next = w0 + 2 * nb * gb;
+  for (int64_t off = 2 * b * gb; off < 2 * (b + 1) * gb; off += 64) {
+    if constexpr (L1) _mm_prefetch((const char*)(next + off), _MM_HINT_T0);
+    else _mm_prefetch((const char*)(next + off), _MM_HINT_T1);
+  }
+}
+
 // One row's float step for one block on 8 columns (the AVX2 rows and the 256-bit VNNI rows share it), the
 // operations of DFLASH_FLOAT_STEP_AT in its order: acc + float(isum [- 8 s]) * (d_x * d_w) [+ m_w * (d_x s_x)].
 // dw, mw: the block's weight scales and Q4_1 minimums, widened; at: the row's block index into x.d / s / ds.

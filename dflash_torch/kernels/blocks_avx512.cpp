@@ -35,11 +35,8 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* e0 = w0 + b * gb;
     const uint8_t* e1 = w1 + b * gb;
-    if (in_order)  // the next pair's records, in address order (into L2: the two pairs may not fit L1)
-      for (int64_t off = 2 * b * gb; off < 2 * (b + 1) * gb; off += 64)
-        _mm_prefetch((const char*)(w0 + 2 * nb * gb + off), _MM_HINT_T1);
-    else
-      prefetch_pair(w0, b, nb, gb);
+    if (in_order) prefetch_next_pair<false>(w0, b, nb, gb);  // (into L2: the two pairs may not fit L1)
+    else prefetch_pair(w0, b, nb, gb);
 #define DFLASH_HALVES(off)                                                                          \
   _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(e0 + (off)))), \
                                           _mm_loadu_si128((const __m128i*)(e1 + (off))), 1))
@@ -199,8 +196,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* rec0 = w0 + b * gb;
     const uint8_t* rec1 = w1 + b * gb;
-    for (int64_t off = 2 * b * gb; off < 2 * (b + 1) * gb; off += 64)  // the next pair's, in address order
-      _mm_prefetch((const char*)(w0 + 2 * nb * gb + off), L1 ? _MM_HINT_T0 : _MM_HINT_T1);
+    prefetch_next_pair<L1>(w0, b, nb, gb);
     const uint8_t *qs0 = rec0 + qoff, *qs1 = rec1 + qoff;
     auto x4 = [&](int r) { return (const int32_t*)(x.q + (r0 + r) * x.k + b * QK); };
     // [group][row]: two chains of exact integer sums each; Q4_0's first starts at -8 * s, Q8_0's at -128 * s
