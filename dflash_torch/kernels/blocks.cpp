@@ -365,19 +365,17 @@ void mm_setup(MmCall& c, MmScratch& scratch, int64_t fmt, int64_t isa, bool aske
   fit(scratch.d, m * nb);
   fit(scratch.ds, m * nb);
   fit(scratch.s, m * nb);
-  const bool unsigned_q8 = fmt == Q8_0 && isa == VNNI;
-  if (unsigned_q8) fit(scratch.u, m * k);
-  // the VNNI sums start at -8 * s: no shift, no subtract (the 512-bit path and the 256-bit rows alike); the
-  // 256-bit rows' Q8_0 sums start at -128 * s (their weights go in as w + 128, unsigned)
+  // the VNNI sums start at Q4_0's -8 * s or Q8_0's -128 * s (its weights go in as w + 128, unsigned): no shift,
+  // no subtract (the 512-bit path and the 256-bit rows alike)
   const bool narrow256 = narrow && vnni256();
-  const bool start = (fmt == Q4_0 && (isa == VNNI || narrow256)) || (fmt == Q8_0 && narrow256);
+  const bool start = fmt != Q4_1 && (isa == VNNI || narrow256);
   if (start) fit(scratch.s8, m * nb);
   const int64_t groups = (n + GROUP - 1) / GROUP;
   const bool wide = amx || isa == VNNI;
   c = MmCall{fmt, isa, amx, wide, narrow256, narrow256 && m >= BM_MIN_ROWS, m, n, k, nb, groups, nb * group_bytes(fmt),
              wide ? (groups + 1) / 2 : groups, wp, x, norm_w, eps, y, res,
              scratch.q.data(), scratch.d.data(), scratch.ds.data(), scratch.s.data(),
-             start ? scratch.s8.data() : nullptr, unsigned_q8 ? scratch.u.data() : nullptr};
+             start ? scratch.s8.data() : nullptr};
 }
 
 // rows [r0, r1) of x (normalized first where the call has a norm weight): quants, scales, sums, Q4_1's d * sum;
@@ -421,11 +419,6 @@ void mm_quantize(const MmCall& c, int64_t r0, int64_t r1, int64_t b0, int64_t b1
       for (int64_t i = r * nb; i < (r + 1) * nb; i++) c.ds[i] = c.d[i] * (float)c.s[i];  // rounded once
       if (c.s8 != nullptr)
         for (int64_t i = r * nb; i < (r + 1) * nb; i++) c.s8[i] = s8mul * c.s[i];
-    }
-    if (c.u != nullptr) {  // (local pointers: through c the compiler reloaded both for every byte)
-      const int8_t* qr = c.q + r * k;
-      uint8_t* ur = c.u + r * k;
-      for (int64_t i = 0; i < k; i++) ur[i] = (uint8_t)qr[i] ^ 0x80;
     }
   }
 }
@@ -475,7 +468,7 @@ void ColumnShare::run(const MmCall& c, int64_t tid) {
 // output column units [u0, u1) (tiles of 16 columns: AMX tiles or pairs of VNNI column groups; else groups of 8)
 void mm_columns(const MmCall& c, int64_t u0, int64_t u1) {
   if (u0 >= u1) return;
-  const Rows rows{c.q, c.d, c.s, c.ds, c.s8, c.u, c.k, c.nb, c.m};
+  const Rows rows{c.q, c.d, c.s, c.ds, c.s8, c.k, c.nb, c.m};
   const int64_t fmt = c.fmt, m = c.m, n = c.n, nb = c.nb;
   if (c.wide) {
 #ifdef DFLASH_X86

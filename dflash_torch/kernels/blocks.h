@@ -45,9 +45,8 @@ struct Rows {  // quantized activations of the rows of one call
   const float* d;    // [rows, nb]
   const int32_t* s;  // [rows, nb]
   const float* ds;   // [rows, nb]: d * float(s), Q4_1's minimum term
-  const int32_t* s8; // [rows, nb]: where a VNNI sum starts (else null): Q4_0's correction -8 * s, and on the
-                     // 256-bit rows Q8_0's -128 * s (its weights taken as w + 128)
-  const uint8_t* u;  // [rows, K]: q + 128 as unsigned bytes (the 512-bit VNNI path's Q8_0 operand), or null
+  const int32_t* s8; // [rows, nb]: where a VNNI sum starts (else null): Q4_0's correction -8 * s, Q8_0's
+                     // -128 * s (its weights taken as w + 128)
   int64_t k, nb;
   int64_t m;  // the call's rows; on the 256-bit VNNI rows the arrays above are block-major (block_at)
 };
@@ -79,6 +78,8 @@ inline void store_rows(float* y, const float* res, int64_t n, int64_t r0, int64_
       for (int64_t c = 0; c < cols; c++) out[c] = rr[c] + a[c];
     } else if (cols == GROUP) {
       std::memcpy(out, a, sizeof(float) * GROUP);  // a constant size: inlined, where a call took longer than the copy
+    } else if (cols == 2 * GROUP) {
+      std::memcpy(out, a, sizeof(float) * 2 * GROUP);
     } else {
       std::memcpy(out, a, sizeof(float) * cols);
     }
@@ -202,7 +203,6 @@ struct MmScratch {  // the activations' quants and scales, reused across calls
   std::vector<int8_t> q;
   std::vector<float> d, ds;
   std::vector<int32_t> s, s8;
-  std::vector<uint8_t> u;
 };
 
 struct MmCall {
@@ -219,7 +219,6 @@ struct MmCall {
   int8_t* q;
   float *d, *ds;
   int32_t *s, *s8;
-  uint8_t* u;
 };
 
 // isa: resolved (resolve_isa); asked: the caller named it (then AMX whatever the rows). prepare: size the scratch

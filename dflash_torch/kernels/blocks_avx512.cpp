@@ -16,18 +16,27 @@ namespace {
 // of DFLASH_FLOAT_STEP_AT in the same order, lane for lane, so the bits are every other path's. Up to 8
 // rows, or 16, keep their sums in registers across all blocks (16: 16 sums and a block's 8 weight vectors
 // fill 24 of the 32 zmm registers, and each block is unpacked once for a 16-row verify pass); other row
-// counts go 16 or 8 at a time, each unpacking the pair's blocks again from L1. Q8_0: AVX-512 has no byte
-// sign instruction, so the activations go in as unsigned x + 128 (Rows::u) and 128 * sum(w) comes off again
-// per block and column: the same exact integer.
+// counts go 16 or 8 at a time, each unpacking the pair's blocks again from L1. dpbusd multiplies unsigned by
+// signed bytes: the weights are the unsigned operand (Q4's nibbles as they are, Q8_0's as w + 128, once per
+// block for all rows) and the activations the signed one, broadcast from memory inside the instruction; each
+// row's sum starts at Q4_0's -8 * s or Q8_0's -128 * s, so it ends at the same exact integer as every path's.
 #define DFLASH_PAIR(p0, p1, off)                                                                    \
   _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)((p0) + (off)))),     \
                      _mm256_loadu_si256((const __m256i*)((p1) + (off))), 1)
 
+// acc + w (unsigned bytes) . broadcast(*x) (signed bytes), the broadcast folded into dpbusd's memory operand
+__attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i dpbusd512_bcast(__m512i acc, __m512i w,
+                                                                                          const int32_t* x) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
 template <int64_t fmt, int R>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) void vnni_rows(
-    const uint8_t* w0, const uint8_t* w1, int64_t nb, const Rows& x, int64_t r0, float* out) {
+    const uint8_t* w0, const uint8_t* w1, int64_t nb, const Rows& x, int64_t r0, float* out, int64_t ostride,
+    const float* res) {
   const int64_t gb = group_bytes(fmt), qoff = (fmt == Q4_1 ? 4 : 2) * GROUP;
-  const __m512i low = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1);
+  const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
   const bool in_order = pairs_in_address_order();
   __m512 acc[R];
   #pragma GCC unroll 16
@@ -45,13 +54,9 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
 #undef DFLASH_HALVES
     const uint8_t* q0 = e0 + qoff;
     const uint8_t* q1 = e1 + qoff;
-    __m512i wv[8], wsum = _mm512_setzero_si512();
+    __m512i wv[8];
     if (fmt == Q8_0) {
-      for (int j = 0; j < 8; j++) {
-        wv[j] = DFLASH_PAIR(q0, q1, 32 * j);
-        wsum = _mm512_dpbusd_epi32(wsum, ones, wv[j]);  // each column's sum of its 32 weights
-      }
-      wsum = _mm512_slli_epi32(wsum, 7);  // 128 * sum(w)
+      for (int j = 0; j < 8; j++) wv[j] = _mm512_xor_si512(DFLASH_PAIR(q0, q1, 32 * j), flip);  // w + 128
     } else {
       for (int j = 0; j < 4; j++) {
         const __m512i v = DFLASH_PAIR(q0, q1, 32 * j);
@@ -63,32 +68,25 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
     for (int r = 0; r < R; r++) {
       const int64_t row = r0 + r, at = row * x.nb + b;
       // Two chains of exact integer sums per row (one chain of 8 dpbusd measured slower: its latency
-      // shows). Q4_0's first chain starts at the correction term -8 * sx, so no shift or subtract follows:
-      // the same integer, two instructions fewer per row and block on the two vector ports. (Q8_0's
-      // -128 * sum(w) comes off at the end: as a start, every row's chains would wait for the weights' sum.)
-      __m512i e = fmt == Q4_0 ? _mm512_set1_epi32(x.s8[at]) : _mm512_setzero_si512(), o = _mm512_setzero_si512(), isum;
-      if (fmt == Q8_0) {
-        const int32_t* u4 = (const int32_t*)(x.u + row * x.k + b * QK);
-        for (int j = 0; j < 8; j += 2) {
-          e = _mm512_dpbusd_epi32(e, _mm512_set1_epi32(u4[j]), wv[j]);
-          o = _mm512_dpbusd_epi32(o, _mm512_set1_epi32(u4[j + 1]), wv[j + 1]);
-        }
-      } else {
-        const int32_t* x4 = (const int32_t*)(x.q + row * x.k + b * QK);
-        for (int j = 0; j < 8; j += 2) {
-          e = _mm512_dpbusd_epi32(e, wv[j], _mm512_set1_epi32(x4[j]));
-          o = _mm512_dpbusd_epi32(o, wv[j + 1], _mm512_set1_epi32(x4[j + 1]));
-        }
+      // shows). The first starts at the correction term (Q4_0's -8 * s, Q8_0's -128 * s), so no shift or
+      // subtract follows: the same integer, two instructions fewer per row and block.
+      __m512i e = fmt != Q4_1 ? _mm512_set1_epi32(x.s8[at]) : _mm512_setzero_si512(), o = _mm512_setzero_si512();
+      const int32_t* x4 = (const int32_t*)(x.q + row * x.k + b * QK);
+      for (int j = 0; j < 8; j += 2) {
+        e = dpbusd512_bcast(e, wv[j], x4 + j);
+        o = dpbusd512_bcast(o, wv[j + 1], x4 + j + 1);
       }
-      isum = _mm512_add_epi32(e, o);
-      if (fmt == Q8_0) isum = _mm512_sub_epi32(isum, wsum);
+      const __m512i isum = _mm512_add_epi32(e, o);
       const __m512 dd = _mm512_mul_ps(_mm512_set1_ps(x.d[at]), dw);
       acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), dd));
       if (fmt == Q4_1) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mw, _mm512_set1_ps(x.ds[at])));
     }
   }
+  // row r's 16 outputs at out + r * ostride, res's (the same layout) added first where there is one: the bits of
+  // store_rows, without its copy of each row through a buffer
   #pragma GCC unroll 16
-  for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+  for (int r = 0; r < R; r++)
+    _mm512_storeu_ps(out + r * ostride, res != nullptr ? _mm512_add_ps(_mm512_loadu_ps(res + r * ostride), acc[r]) : acc[r]);
 }
 #undef DFLASH_PAIR
 
@@ -294,15 +292,20 @@ void columns_vnni_t(const uint8_t* wp, int64_t gstride, int64_t groups, int64_t 
     const uint8_t* w1 = g0 + 1 < groups ? w0 + gstride : zeros.data();
     for (int64_t r0 = 0; r0 < m;) {
       const int64_t rows = m - r0 >= 16 ? 16 : std::min<int64_t>(8, m - r0);
+      // a whole tile's 16 columns go straight to y; a matrix's last, narrower tile through acc
+      const bool whole = cols == 2 * GROUP;
+      float* out = whole ? y + r0 * n + g0 * GROUP : acc;
+      const float* rs = whole && res != nullptr ? res + r0 * n + g0 * GROUP : nullptr;
+      const int64_t os = whole ? n : 16;
       switch (rows) {
 #define DFLASH_VNNI_CASE(R) \
-  case R: vnni_rows<fmt, R>(w0, w1, nb, x, r0, acc); break;
+  case R: vnni_rows<fmt, R>(w0, w1, nb, x, r0, out, os, rs); break;
         DFLASH_VNNI_CASE(1) DFLASH_VNNI_CASE(2) DFLASH_VNNI_CASE(3) DFLASH_VNNI_CASE(4)
         DFLASH_VNNI_CASE(5) DFLASH_VNNI_CASE(6) DFLASH_VNNI_CASE(7) DFLASH_VNNI_CASE(8)
         DFLASH_VNNI_CASE(16)
 #undef DFLASH_VNNI_CASE
       }
-      store_rows(y, res, n, r0, rows, g0 * GROUP, cols, acc, 16);
+      if (!whole) store_rows(y, res, n, r0, rows, g0 * GROUP, cols, acc, 16);
       r0 += rows;
     }
   }
