@@ -244,11 +244,12 @@ int64_t avx2_tile_rows() {
 // decode step's matmuls about a quarter slower than the AVX2 path's, while VNNI's dpbusd takes fewer
 // instructions per row than AVX2's maddubs chains. So below vnni_min_rows() rows such a CPU runs the AVX2
 // path's layout with 256-bit dpbusd (rows_vnni256 in blocks_avx512.cpp): a decode step as fast as the AVX2
-// path's, and 2-5 rows cheaper than either path. Verify passes of up to 8 rows take it too: the whole model's
-// passes of 6-8 rows took 0.59-0.82x their time on the 512-bit path. From 9 rows the 512-bit path again, since its
-// pairs of column groups are prefetched in address order (pairs_in_address_order): 12- and 16-row passes took
-// about 0.9x the time of the 256-bit rows' (docs/performance.md, "Two column groups for 3-4 rows"; before, 12
-// rows had taken 0.80-0.93x and 16 rows 0.86-1.05x on the 256-bit rows: "Few rows on 256-bit VNNI (AMD Zen 4)"). Every path gives the same bits, so only speed changes. DFLASH_VNNI_MIN_ROWS=N overrides the
+// path's, and 2-4 rows cheaper than either path (with the weights from memory the 512-bit path took 0.90-1.12x
+// their time, most cells over 1). From 5 rows the 512-bit path: since its pairs of column groups are prefetched in
+// address order (pairs_in_address_order), its broadcasts ride inside dpbusd and its tiles go straight to the
+// output, 5-8-row matmuls take 0.85-1.00x the time of the 256-bit rows' and 16-row verify passes about 0.9x (docs/performance.md, "The 512-bit path's broadcasts inside dpbusd"; before those changes the
+// 256-bit rows had been the faster ones up to 16 rows: "Few rows on 256-bit VNNI (AMD Zen 4)"). Every path gives
+// the same bits, so only speed changes. DFLASH_VNNI_MIN_ROWS=N overrides the
 // row count (0: the 512-bit path at every row count), and DFLASH_VNNI256=0 runs those rows on the AVX2 path's
 // maddubs instead, both for measuring.
 bool zen4() {
@@ -276,7 +277,7 @@ int64_t vnni_min_rows() {
   static const int64_t rows = [] {
     const char* v = std::getenv("DFLASH_VNNI_MIN_ROWS");
     if (v && *v) return std::max<int64_t>(0, std::atoll(v));
-    return zen4() ? (int64_t)9 : (int64_t)0;
+    return zen4() ? (int64_t)5 : (int64_t)0;
   }();
   return rows;
 }

@@ -58,7 +58,8 @@ struct Rows {  // quantized activations of the rows of one call
 // pointer, left fewer registers than 8 rows need: the addresses were spilled to the stack and reloaded every block.
 // Which thread writes which part of a tile: quantize_share. Fewer rows stay row-major: their few pointers fit the
 // registers, and 2-4 rows in a shared tile ran the small matrices slower (tools/kernel_ab.py, weights from
-// memory). Every other path reads row-major.
+// memory). Every other path reads row-major. (On AMD Zen 4 the 512-bit path takes 5 rows and more by default
+// (vnni_min_rows): the block-major rows run where DFLASH_VNNI_MIN_ROWS sends more rows to the 256-bit ones.)
 constexpr int64_t BM_TILE = 8, BM_MIN_ROWS = 5;
 static_assert(TILE_ROWS % BM_TILE == 0, "the narrow path's row tiles start on block-major tiles");
 inline int64_t block_at(int64_t b, int64_t r, int64_t m, int64_t nb) {  // index of row r's block b
