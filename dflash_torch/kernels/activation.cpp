@@ -14,10 +14,11 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define DFLASH_SILU_X86 1
-// The exp that PyTorch's silu kernel calls through Vectorized<float>::exp() where ATen's CPU capability is AVX2
-// (ATen/cpu/vec/vec256), exported by libtorch_cpu; weak, so that a build of torch without it still loads this
-// library (its address is then null, and PyTorch's own call runs)
+// The exps that PyTorch's silu kernel calls through Vectorized<float>::exp() where ATen's CPU capability is AVX2
+// (ATen/cpu/vec/vec256) or AVX512 (vec512), exported by libtorch_cpu; weak, so that a build of torch without them
+// still loads this library (an address is then null, and PyTorch's own call runs)
 extern "C" __attribute__((weak)) __m256 Sleef_expf8_u10(__m256);
+extern "C" __attribute__((weak)) __m512 Sleef_expf16_u10(__m512);
 #endif
 
 namespace dflash_activation {
@@ -27,12 +28,12 @@ using at::Tensor;
 namespace {
 
 // silu(g) * u for one row of n floats, the bits `F.silu(g) * u` gives it: where ATen's CPU capability is AVX2
-// (ATEN_CPU_CAPABILITY included), PyTorch's silu kernel (x / (1 + exp(-x))) runs a row in steps of two 8-float
-// vectors through Sleef's exp and the rest one element at a time through std::exp (ATen/native/cpu/Loops.h,
-// vectorized_loop), so this loop does the same with the same functions; then the product with up, one IEEE
-// multiply as mul_rows. What it saves is the elementwise call's dispatch and setup, a serial step of every layer in
-// a decode step's region (docs/performance.md, "The activation in one loop"). Other capabilities (AVX-512's 16-float
-// vectors) keep PyTorch's call: this loop is checked against every float32 input only on AVX2.
+// (ATEN_CPU_CAPABILITY included) or AVX512, PyTorch's silu kernel (x / (1 + exp(-x))) runs a row in steps of two
+// vectors of 8 or 16 floats through Sleef's exp and the rest one element at a time through std::exp
+// (ATen/native/cpu/Loops.h, vectorized_loop), so these loops do the same with the same functions; then the product
+// with up, one IEEE multiply as mul_rows. What it saves is the elementwise call's dispatch and setup, a serial step
+// of every layer in a decode step's region (docs/performance.md, "The activation in one loop"). Each loop was
+// checked against every float32 input on its capability. Others keep PyTorch's call.
 float silu_scalar(float x) { return x / (1.0f + std::exp(-x)); }
 
 #ifdef DFLASH_SILU_X86
@@ -46,35 +47,56 @@ __attribute__((target("avx2,fma"))) int64_t silu_mul_avx2(const float* g, const 
   }
   return i;
 }
+
+// the same with AVX512's 16-float vectors (its neg: an xor with -0.0, as vec512's)
+__attribute__((target("avx512f"))) int64_t silu_mul_avx512(const float* g, const float* u, float* o, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+  int64_t i = 0;
+  for (; i < n; i += 16) {  // n: whole steps of two vectors
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
+    const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(neg)));
+    _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+  }
+  return i;
+}
 #endif
 
-// Whether PyTorch's silu kernel is the one silu_mul_row reproduces: ATen's CPU capability AVX2 (as
-// torch.backends.cpu.get_cpu_capability() reports it, fixed once ATen has dispatched), with the exp exported
-bool avx2_silu() {
+// The floats in one vector of the PyTorch silu kernel that silu_mul_row reproduces, or 0 where it reproduces none:
+// ATen's CPU capability (as torch.backends.cpu.get_cpu_capability() reports it, fixed once ATen has dispatched) AVX2
+// or AVX512, with that capability's exp exported
+int64_t silu_width() {
 #ifdef DFLASH_SILU_X86
-  static const bool avx2 = at::get_cpu_capability() == "AVX2" && &Sleef_expf8_u10 != nullptr;
-  return avx2;
+  static const int64_t width = [] {
+    const std::string cap = at::get_cpu_capability();
+    if (cap == "AVX2" && &Sleef_expf8_u10 != nullptr) return (int64_t)8;
+    if (cap == "AVX512" && &Sleef_expf16_u10 != nullptr) return (int64_t)16;
+    return (int64_t)0;
+  }();
+  return width;
 #else
-  return false;
+  return 0;
 #endif
 }
 
-// silu(g) * u into o for a row of n floats (where avx2_silu())
+// silu(g) * u into o for a row of n floats (where silu_width() > 0)
 void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
   int64_t i = 0;
 #ifdef DFLASH_SILU_X86
-  i = silu_mul_avx2(g, u, o, n / 16 * 16);  // whole steps of two vectors, then one element at a time
+  const int64_t step = 2 * silu_width();  // whole steps of two vectors, then one element at a time
+  if (step > 0) i = step == 32 ? silu_mul_avx512(g, u, o, n / step * step) : silu_mul_avx2(g, u, o, n / step * step);
 #endif
   for (; i < n; i++) o[i] = silu_scalar(g[i]) * u[i];
 }
 
-// Whether silu(gate) * up into out (t rows) takes silu_mul_rows: PyTorch's kernel is the AVX2 one, float32 rows with
-// contiguous last dimensions, and one row or rows of whole steps of PyTorch's loop (a multiple of 16 floats), since
-// a call on several contiguous rows runs them as one range, whose steps then cross the rows
+// Whether silu(gate) * up into out (t rows) takes silu_mul_rows: PyTorch's kernel is one it reproduces, float32
+// rows with contiguous last dimensions, and one row or rows of whole steps of PyTorch's loop (a multiple of two
+// vectors' floats), since a call on several contiguous rows runs them as one range, whose steps then cross the rows
 bool native_silu(const Tensor& out, const Tensor& gate, const Tensor& up, int64_t t) {
-  return avx2_silu() && gate.dim() == 2 && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat &&
+  return silu_width() > 0 && gate.dim() == 2 && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat &&
          out.scalar_type() == at::kFloat && gate.stride(1) == 1 && up.stride(1) == 1 && out.stride(1) == 1 &&
-         (t == 1 || gate.size(1) % 16 == 0);
+         (t == 1 || gate.size(1) % (2 * silu_width()) == 0);
 }
 
 // silu(gate) * up for rows r0 .. r1 (where native_silu)
@@ -97,7 +119,7 @@ void mul_rows(Tensor& out, const Tensor& up, int64_t r0, int64_t r1) {
 
 }  // namespace
 
-// act(gate) * up for rows r0 .. r1 into out (act 0 silu, 1 gelu (tanh), 2 gelu): silu on AVX2 by silu_mul_rows;
+// act(gate) * up for rows r0 .. r1 into out (act 0 silu, 1 gelu (tanh), 2 gelu): silu by silu_mul_rows where it can;
 // else the elementwise kernels on the rows' strided views (every row its own inner loop: the bits of one call on all
 // rows; the exact gelu on a contiguous copy, whose bits do not depend on the rows either), the product by mul_rows
 // where up is float32 with a contiguous last dimension, else Tensor.mul_
@@ -127,7 +149,7 @@ Tensor act_mul(const Tensor& gate, const Tensor& up, int64_t act) {
   };
   const int64_t t = gate.size(0);
   Tensor out = at::empty({t, gate.size(1)}, gate.options());
-  if (act == 0 && native_silu(out, gate, up, t)) {  // silu on AVX2, from 4 rows in the threads' shares of them
+  if (act == 0 && native_silu(out, gate, up, t)) {  // silu by its own loop, from 4 rows in the threads' shares
     if (t < 4) silu_mul_rows(out, gate, up, 0, t);
     else at::parallel_for(0, t, 1, [&](int64_t r0, int64_t r1) { silu_mul_rows(out, gate, up, r0, r1); });
     return out;
