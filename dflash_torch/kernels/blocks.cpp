@@ -247,11 +247,11 @@ int64_t avx2_tile_rows() {
 // path's, and 2-4 rows cheaper than either path (with the weights from memory the 512-bit path took 0.90-1.12x
 // their time, most cells over 1). From 5 rows the 512-bit path: since its pairs of column groups are prefetched in
 // address order (pairs_in_address_order), its broadcasts ride inside dpbusd and its tiles go straight to the
-// output, 5-8-row matmuls take 0.85-1.00x the time of the 256-bit rows' and 16-row verify passes about 0.9x (docs/performance.md, "The 512-bit path's broadcasts inside dpbusd"; before those changes the
-// 256-bit rows had been the faster ones up to 16 rows: "Few rows on 256-bit VNNI (AMD Zen 4)"). Every path gives
-// the same bits, so only speed changes. DFLASH_VNNI_MIN_ROWS=N overrides the
-// row count (0: the 512-bit path at every row count), and DFLASH_VNNI256=0 runs those rows on the AVX2 path's
-// maddubs instead, both for measuring.
+// output, 5-8-row matmuls take 0.85-1.00x the time of the 256-bit rows' and 16-row verify passes about 0.9x
+// (docs/performance.md, "The 512-bit path's broadcasts inside dpbusd"; before those changes the 256-bit rows had
+// been the faster ones up to 16 rows: "Few rows on 256-bit VNNI (AMD Zen 4)"). Every path gives the same bits, so
+// only speed changes. DFLASH_VNNI_MIN_ROWS=N overrides the row count (0: the 512-bit path at every row count), and
+// DFLASH_VNNI256=0 runs those rows on the AVX2 path's maddubs instead, both for measuring.
 bool zen4() {
 #ifdef DFLASH_X86
   unsigned a, b, c, d;

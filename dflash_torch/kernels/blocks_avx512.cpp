@@ -85,8 +85,10 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) vo
   // row r's 16 outputs at out + r * ostride, res's (the same layout) added first where there is one: the bits of
   // store_rows, without its copy of each row through a buffer
   #pragma GCC unroll 16
-  for (int r = 0; r < R; r++)
-    _mm512_storeu_ps(out + r * ostride, res != nullptr ? _mm512_add_ps(_mm512_loadu_ps(res + r * ostride), acc[r]) : acc[r]);
+  for (int r = 0; r < R; r++) {
+    const __m512 v = res != nullptr ? _mm512_add_ps(_mm512_loadu_ps(res + r * ostride), acc[r]) : acc[r];
+    _mm512_storeu_ps(out + r * ostride, v);
+  }
 }
 #undef DFLASH_PAIR
 
