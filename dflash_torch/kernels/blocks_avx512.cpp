@@ -292,13 +292,13 @@ void columns_vnni_t(const uint8_t* wp, int64_t gstride, int64_t groups, int64_t 
     const int64_t g0 = 2 * p, cols = std::min<int64_t>(2 * GROUP, n - g0 * GROUP);
     const uint8_t* w0 = wp + g0 * gstride;
     const uint8_t* w1 = g0 + 1 < groups ? w0 + gstride : zeros.data();
+    // a whole tile's 16 columns go straight to y; a matrix's last, narrower tile through acc
+    const bool whole = cols == 2 * GROUP;
+    const int64_t os = whole ? n : 16;
     for (int64_t r0 = 0; r0 < m;) {
       const int64_t rows = m - r0 >= 16 ? 16 : std::min<int64_t>(8, m - r0);
-      // a whole tile's 16 columns go straight to y; a matrix's last, narrower tile through acc
-      const bool whole = cols == 2 * GROUP;
       float* out = whole ? y + r0 * n + g0 * GROUP : acc;
       const float* rs = whole && res != nullptr ? res + r0 * n + g0 * GROUP : nullptr;
-      const int64_t os = whole ? n : 16;
       switch (rows) {
 #define DFLASH_VNNI_CASE(R) \
   case R: vnni_rows<fmt, R>(w0, w1, nb, x, r0, out, os, rs); break;
