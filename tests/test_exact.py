@@ -210,15 +210,19 @@ def test_decode_region_equals_layer_modules_after_long_contexts(tmp_path, fmt, a
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("by_rows", ["0", "2"])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @torch.inference_mode()
-def test_verify_region_equals_layer_modules_after_long_contexts(tmp_path, threads):
+def test_verify_region_equals_layer_modules_after_long_contexts(tmp_path, threads, by_rows, monkeypatch):
     """A verify pass of the C++ stack runs in one parallel region (kernels/layers.cpp, rows_region: rows and
     columns and attention tiles shared by the threads). Its logits, taps and cache are the layer modules' bit
     for bit for passes of 2, 5, 12 and 40 rows after short and long contexts (a float16 cache; passes of up to 16
     rows from 128 keys take the attention's split by keys inside the region, the modules its tiles below 512).
     With 4 threads a 2-row pass has fewer rows than threads (thread 0 quantizes them all), and every thread
-    takes chunks of the columns as they go (ColumnShare), on 2 cores some threads much later than others."""
+    takes chunks of the columns as they go (ColumnShare), on 2 cores some threads much later than others.
+    DFLASH_ROWS_BY_THREAD=2 runs every pass whose rows the threads can share by rows (each thread its own rows
+    through every layer; 5 rows on 4 threads cannot be, and stay by columns), 0 none."""
+    monkeypatch.setenv("DFLASH_ROWS_BY_THREAD", by_rows)
     target = long_context_target(tmp_path, 5, "q4_0")
     rng = random.Random(threads)
     before = torch.get_num_threads()

@@ -231,6 +231,7 @@ void mm_setup(MmCall& c, MmScratch& scratch, int64_t fmt, int64_t isa, bool aske
 void mm_quantize(const MmCall& c, int64_t r0, int64_t r1, int64_t b0 = 0, int64_t b1 = -1);
 void mm_columns(const MmCall& c, int64_t u0, int64_t u1);
 int64_t resolve_isa(int64_t isa);  // -1: the best this CPU has
+int64_t rows_by_thread();  // from this many rows layers.cpp's rows_region runs by rows (0: never)
 
 inline std::pair<int64_t, int64_t> even_share(int64_t total, int64_t tid, int64_t nth) {  // [begin, end) of tid
   const int64_t per = (total + nth - 1) / nth, begin = std::min(total, tid * per);

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <exception>
 #include <optional>
 #include <vector>
@@ -393,6 +394,20 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
   thread_local std::vector<float> qbuf;
   qbuf.resize(h * d);
   float* qside = qbuf.data();
+  // by rows (from rows_by_thread() rows, chains only): each thread takes its own rows through every layer, all of
+  // every matmul's columns for them, and the threads meet once a layer, after the keys and values are written
+  const int64_t by_from = dflash_blocks::rows_by_thread();
+  bool by_rows = !tree && threads > 1 && by_from > 0 && t >= by_from;
+  std::vector<dflash_attention::RowsPlan> own_plans;  // each thread's rows' attention, on that thread alone
+  for (int64_t th = 0; by_rows && th < threads; th++) {
+    const auto [a0, a1] = even_share(t, th, threads);
+    if (a1 <= a0) {  // more threads than shares of rows: by columns
+      by_rows = false;
+      break;
+    }
+    own_plans.push_back(dflash_attention::rows_plan(layer_cache(0), pos + a0, a1 - a0, h, 1));
+    by_rows = own_plans.back().ok;
+  }
   dflash_attention::DecodePlan side{};
   dflash_attention::DecodeCache lent = layer_cache(0);  // (every layer's alike but for its pointers)
   Lend lend(lent);
@@ -421,7 +436,50 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
     };
     size_t next_tap = 0;
     const auto [r0, r1] = even_share(t, tid, nth);  // this thread's rows (rotation, activation)
-    for (int64_t i = 0; i < layers; i++) {
+    const bool rows_mode = by_rows && nth == threads;  // (the plans are the shares of `threads` threads)
+    if (rows_mode) {
+      thread_local MmScratch own;  // this thread's quants of its rows
+      thread_local std::vector<float> own_split;
+      const dflash_attention::RowsPlan& op = own_plans[tid];
+      const int64_t m = r1 - r0;
+      if (op.steps == 3) own_split.resize(m * h * (op.sstride + 1));
+      auto matmul_own = [&](int64_t slot, int64_t n, int64_t k, const float* in, const float* norm_w, float* y,
+                            const float* res) {
+        guarded([&] {
+          mm_setup(c, own, codes[slot] % 8, isa, false, packed[slot].data_ptr<uint8_t>(), n, k, m, in + r0 * k,
+                   norm_w, (float)eps, y + r0 * n, res != nullptr ? res + r0 * n : nullptr);
+          mm_quantize(c, 0, m);
+          mm_columns(c, 0, c.units);
+        });
+      };
+      float *qo = q.data_ptr<float>() + r0 * h * d, *ao = attn.data_ptr<float>() + r0 * hid;
+      for (int64_t i = 0; i < layers; i++) {
+        const dflash_attention::DecodeCache cache = layer_cache(i);
+        matmul_own(4 * i, fqkv, hid, xp, norms[2 * i].data_ptr<float>(), yqkv.data_ptr<float>(), nullptr);
+        guarded([&] {
+          dflash_attention::rows_rotate(yqkv.data_ptr<float>(), cp, sp, q.data_ptr<float>(), cache, pos, h, r0, r1);
+        });
+#pragma omp barrier
+        guarded([&] {
+          if (op.steps == 1) {
+            dflash_attention::rows_attend(op, 0, op.tasks, qo, cache, pos + r0, scale, ao);
+          } else {
+            float *sc = own_split.data(), *z = sc + m * h * op.sstride;
+            for (int st = 0; st < op.steps; st++)
+              dflash_attention::rows_split_step(op, st, 0, op.split[st], qo, cache, pos + r0, scale, sc, z, ao);
+          }
+        });
+        matmul_own(4 * i + 1, hid, hid, attn.data_ptr<float>(), nullptr, xp, xp);  // x += o(attn)
+        matmul_own(4 * i + 2, fgu, hid, xp, norms[2 * i + 1].data_ptr<float>(), ygu.data_ptr<float>(), nullptr);
+        guarded([&] { act_rows(a, gate, up, act, r0, r1); });
+        matmul_own(4 * i + 3, hid, inter, a.data_ptr<float>(), nullptr, xp, xp);  // x += down(a)
+        if (next_tap < tap_layers.size() && tap_layers[next_tap] == i) {
+          std::memcpy(tapped[next_tap].data_ptr<float>() + r0 * hid, xp + r0 * hid, sizeof(float) * m * hid);
+          next_tap++;
+        }
+      }
+    }
+    for (int64_t i = 0; i < layers && !rows_mode; i++) {
       const dflash_attention::DecodeCache cache = layer_cache(i);
       if (tid == 0) lent = cache;  // (`lend` reads it; thread 0 alone uses `lend`)
       matmul(4 * i, fqkv, hid, xp, norms[2 * i].data_ptr<float>(), yqkv.data_ptr<float>(), nullptr);
