@@ -313,8 +313,11 @@ struct Lend {
 // positions, as causal_attention runs them; or, for up to 16 positions from 128 keys, rows_split_step: scores by
 // blocks of keys, softmax, output sums by dimensions, a barrier after each) and of the activation's rows
 // (act_rows). The functions of the per-call path, so its bits (tests/test_exact.py, tests/test_fast_flat.py); what it
-// saves is a pass's ~200 forks and joins and the dispatch and tensors around them. Returns false (nothing done)
-// where it does not apply (region_fits; an attention that causal_attention would run on its scalar loop).
+// saves is a pass's ~200 forks and joins and the dispatch and tensors around them. From rows_by_thread() rows
+// (blocks.cpp: 9 on AMD Zen 4) a chain's pass goes by rows instead: each thread takes its own rows through every
+// layer (its own quantization, all of each matmul's columns, its rows' attention on a plan of their own), and the
+// threads meet once a layer, after the keys and values are written. Returns false (nothing done) where it does not
+// apply (region_fits; an attention that causal_attention would run on its scalar loop).
 constexpr int64_t ROWS_MAX = 64;
 
 bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in, const Tensor& cos,
