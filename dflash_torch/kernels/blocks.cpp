@@ -538,8 +538,9 @@ bool pairs_in_address_order() {
   return on;
 }
 
-// From this many rows a pass in layers.cpp's rows_region runs by rows, each thread its own rows through every layer
-// with all of each matmul's columns, instead of every thread taking its share of each matmul's columns for all rows.
+// From this many rows on two threads (as many rows per thread on more) a pass in layers.cpp's rows_region runs by
+// rows, each thread its own rows through every layer with all of each matmul's columns, instead of every thread taking
+// its share of each matmul's columns for all rows.
 // By columns, each matmul's rows are quantized by the threads in shares, its output written by the threads in
 // column shares and read back whole by the next step on every thread: per layer four matmuls, the rotation, the
 // attention's three steps and the activation, each ended by a barrier, and most of the data a thread reads last

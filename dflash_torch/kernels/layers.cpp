@@ -314,10 +314,11 @@ struct Lend {
 // blocks of keys, softmax, output sums by dimensions, a barrier after each) and of the activation's rows
 // (act_rows). The functions of the per-call path, so its bits (tests/test_exact.py, tests/test_fast_flat.py); what it
 // saves is a pass's ~200 forks and joins and the dispatch and tensors around them. From rows_by_thread() rows
-// (blocks.cpp: 9 on AMD Zen 4) a chain's pass goes by rows instead: each thread takes its own rows through every
-// layer (its own quantization, all of each matmul's columns, its rows' attention on a plan of their own), and the
-// threads meet once a layer, after the keys and values are written. Returns false (nothing done) where it does not
-// apply (region_fits; an attention that causal_attention would run on its scalar loop).
+// (blocks.cpp: 9 on AMD Zen 4, for two threads; as many per thread on more) a chain's pass goes by rows instead:
+// each thread takes its own rows through every layer (its own quantization, all of each matmul's columns, its rows'
+// attention on a plan of their own), and the threads meet once a layer, after the keys and values are written.
+// Returns false (nothing done) where it does not apply (region_fits; an attention that causal_attention would run
+// on its scalar loop).
 constexpr int64_t ROWS_MAX = 64;
 
 bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in, const Tensor& cos,
@@ -399,8 +400,9 @@ bool rows_region(Tensor& x_out, std::vector<Tensor>& tapped, const Tensor& x_in,
   float* qside = qbuf.data();
   // by rows (from rows_by_thread() rows, chains only): each thread takes its own rows through every layer, all of
   // every matmul's columns for them, and the threads meet once a layer, after the keys and values are written
+  // (rows_by_thread counts rows for two threads: more threads need as many rows each, since each reads every weight)
   const int64_t by_from = dflash_blocks::rows_by_thread();
-  bool by_rows = !tree && threads > 1 && by_from > 0 && t >= by_from;
+  bool by_rows = !tree && threads > 1 && by_from > 0 && 2 * t >= by_from * threads;
   std::vector<dflash_attention::RowsPlan> own_plans;  // each thread's rows' attention, on that thread alone
   for (int64_t th = 0; by_rows && th < threads; th++) {
     const auto [a0, a1] = even_share(t, th, threads);
