@@ -547,10 +547,11 @@ bool pairs_in_address_order() {
 // written on the other core. By rows, a thread's data stay its own and the threads meet once per layer (the keys
 // and values written, before the attention); each thread reads every weight, which costs where a pass is bound by
 // reading them (few rows) and not where it is bound by the multiplies (many rows). On AMD Zen 4 (2 threads, the
-// default model, q4_0, verify passes after 128 / 512 keys, the two alternating in one process): 16 rows 0.962-0.771x
+// default model, q4_0, verify passes after 128 / 512 keys, the two alternating in one process): 16 rows 0.771-0.962x
 // / 0.815x the time by columns, 12 rows 0.853x / 0.868x, 9 rows 0.888-0.985x, 8 rows 0.852-1.049x / 0.914x,
-// 5-7 rows 1.05-1.09x slower, 32 and 64 rows (prefill) 0.760x and 0.811x (docs/performance.md, "Verify passes by
-// rows"). Every row is computed alike either way, so only speed changes. Elsewhere (not measured) by columns.
+// 5-7 rows 1.05-1.09x slower, 32 and 64 rows 0.760x and 0.811x (docs/performance.md, "Verify passes by
+// rows"). Every row is computed alike either way, so only speed changes. Elsewhere by columns (the AVX2 kernels
+// gained nothing by rows on that CPU; other CPUs not measured).
 // DFLASH_ROWS_BY_THREAD=N overrides it (0: never), read on every pass so that a process can time both.
 int64_t rows_by_thread() {
   const char* v = std::getenv("DFLASH_ROWS_BY_THREAD");
